@@ -1,0 +1,68 @@
+"""The `kvpilot` command line: one entry point, one module per subcommand.
+
+Each subcommand lives in its own module exposing ``configure_parser(parser)`` and
+``run(args) -> int``; this file only wires them together and imports them lazily, so that
+``kvpilot render`` does not import torch and ``kvpilot serve`` does not import kopf.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# (subcommand, module, help). `convert` takes a source format as a further subcommand.
+_COMMANDS = [
+    ("serve", "kvpilot.server.cli", "run the OpenAI-compatible HTTP server for one model"),
+    ("bench", "kvpilot.bench", "benchmarks: serving latency, offline throughput, batch-1 latency"),
+    ("operator", "kvpilot.operator.cli_operator", "run the LLMDeployment operator (kopf)"),
+    ("render", "kvpilot.operator.cli_render", "print the manifests the operator would apply for a CR"),
+]
+_CONVERTERS = [
+    ("llama2c", "kvpilot.convert_llama2c", "llama2.c checkpoint + tokenizer -> Hugging Face directory"),
+]
+
+
+def _add(subparsers, name: str, module: str, help_text: str) -> None:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    mod = importlib.import_module(module)
+    mod.configure_parser(parser)
+    parser.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """Build the parser, importing only the module of the subcommand named in ``argv``."""
+    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: LLM serving engine and Kubernetes operator")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, module, help_text in _COMMANDS:
+        if wanted in (None, name):
+            _add(sub, name, module, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    convert = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face directory")
+    conv_sub = convert.add_subparsers(dest="format", metavar="FORMAT")
+    for name, module, help_text in _CONVERTERS:
+        if wanted == "convert":
+            _add(conv_sub, name, module, help_text)
+        else:
+            conv_sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    return int(run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

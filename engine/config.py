@@ -1,0 +1,129 @@
+"""Configuration records: `KvCacheConfig` (public, TensorRT-LLM's names), `ModelConfig`, `EngineConfig`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class KvCacheConfig:
+    """How the paged KV cache is sized and reused (TensorRT-LLM's `KvCacheConfig` fields).
+
+    Attributes:
+        free_gpu_memory_fraction: fraction (0, 1] of the GPU memory still free after the weights are
+            loaded and a profiling forward pass at ``max_num_tokens`` has run, given to the KV pool.
+            On CPU it applies to ``KVPILOT_CPU_KVCACHE_GB`` (default 4 GiB), as vLLM's CPU backend
+            does with its KV-cache space setting.
+        enable_block_reuse: reuse cached full blocks of a shared prompt prefix (chained block hash).
+        dtype: "auto" (the model's dtype) or a torch dtype name ("bfloat16", "float16", "float32").
+        tokens_per_block: tokens in one KV block (the page size).
+        max_tokens: optional cap on the pool, in tokens (rounded down to whole blocks).
+    """
+
+    free_gpu_memory_fraction: float = 0.9
+    enable_block_reuse: bool = True
+    dtype: str = "auto"
+    tokens_per_block: int = 32
+    max_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if not (0.0 < float(self.free_gpu_memory_fraction) <= 1.0):
+            raise ValueError(f"free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}")
+        if not isinstance(self.tokens_per_block, int) or self.tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be an integer >= 1, got {self.tokens_per_block}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < self.tokens_per_block):
+            raise ValueError(f"max_tokens must be an integer >= tokens_per_block ({self.tokens_per_block}), "
+                             f"got {self.max_tokens}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
+            raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}")
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face Llama-architecture `config.json` the engine uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str
+    bos_token_id: Optional[int]
+    eos_token_ids: list[int]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json`` for the stop ids) from a model directory.
+
+        Raises:
+            FileNotFoundError: no config.json.
+            ValueError: an architecture other than Llama/Mistral.
+        """
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
+        cfg = json.loads(path.read_text())
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in cls.SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; kvpilot runs {', '.join(cls.SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        eos = _as_list(cfg.get("eos_token_id"))
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            gen = json.loads(gen_path.read_text())
+            eos = list(dict.fromkeys(eos + _as_list(gen.get("eos_token_id"))))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers 5 moves rope settings into `rope_parameters`.
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = params
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            raw=cfg,
+        )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def cpu_kv_cache_bytes() -> int:
+    """Bytes the CPU backend may give its KV pool (``KVPILOT_CPU_KVCACHE_GB``, default 4)."""
+    return int(float(os.environ.get("KVPILOT_CPU_KVCACHE_GB", "4")) * (1 << 30))

@@ -1,0 +1,177 @@
+"""`SamplingParams`: how one request is decoded (TensorRT-LLM's LLM API names, vLLM's extras).
+
+Defaults follow TensorRT-LLM's `SamplingParams` where it has the field (``max_tokens=32``) and vLLM's
+otherwise (``temperature=1.0``, ``top_p=1.0``, ``top_k=0`` meaning "off"). Every value is checked in
+``__post_init__``, so a bad request raises ``ValueError`` (wrong value, naming the field and the
+allowed range) or ``TypeError`` (unknown field or wrong type) before it is queued.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Optional, Union
+
+
+@dataclass
+class SamplingParams:
+    """Decoding settings of one request.
+
+    Length: ``max_tokens`` (>= 1, generated tokens), ``min_tokens`` (EOS, ``stop_token_ids`` and stop
+    strings are blocked until this many tokens exist), ``ignore_eos``.
+    Sampling: ``temperature`` (0 = greedy), ``top_k`` (0 or -1 = off), ``top_p`` in (0, 1],
+    ``min_p`` in [0, 1], ``seed`` (same seed, same text, whatever else is in the batch).
+    Several outputs: ``n`` choices, each with its own random stream; ``best_of`` (>= n) candidates of
+    which the ``n`` with the highest cumulative log-probability are returned.
+    Stops: ``stop`` strings (matched in the detokenized text, across token boundaries),
+    ``stop_token_ids``, ``include_stop_str_in_output``.
+    Penalties: ``repetition_penalty`` (Hugging Face semantics, over prompt and output tokens),
+    ``frequency_penalty`` / ``presence_penalty`` (OpenAI semantics, output tokens only),
+    ``logit_bias`` ({token id: bias added to the logit}), ``bad_words`` (strings never generated),
+    ``allowed_token_ids``.
+    Log-probabilities: ``logprobs`` (top-N per generated token plus the chosen one, from the
+    unmodified distribution), ``prompt_logprobs``.
+    Output: ``detokenize``, ``skip_special_tokens``, ``return_context_logits``,
+    ``return_generation_logits``.
+
+    Raises:
+        ValueError: a value outside its allowed range (the message names the field and the range).
+        TypeError: an unknown field (from the dataclass constructor) or a value of the wrong type.
+    """
+
+    max_tokens: int = 32
+    min_tokens: int = 0
+    n: int = 1
+    best_of: Optional[int] = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    bad_words: Optional[list[str]] = None
+    bad_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
+    # Filled in by the engine from `stop` / `bad_words` once a tokenizer is known.
+    _bad_words_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        _check_int("n", self.n, low=1)
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of, low=1)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_int("top_k", self.top_k, low=-1)
+        _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("length_penalty", self.length_penalty)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.bad_token_ids = _int_list("bad_token_ids", self.bad_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty when given")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w for w in self.bad_words):
+                raise TypeError("bad_words must be a list of non-empty strings")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise TypeError("logit_bias must be a dict {token_id: bias}")
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = int(k)
+                except (TypeError, ValueError):
+                    raise TypeError(f"logit_bias keys must be token ids, got {k!r}") from None
+                _check_float(f"logit_bias[{tok}]", v, low=-100.0, high=100.0)
+                bias[tok] = float(v)
+            self.logit_bias = bias
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, low=0, high=20)
+        if self.end_id is not None:
+            _check_int("end_id", self.end_id, low=0)
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding picks the arg-max token (``temperature == 0``)."""
+        return self.temperature == 0.0
+
+    @property
+    def num_candidates(self) -> int:
+        """Sequences generated for the request: ``best_of`` if given, else ``n``."""
+        return self.best_of or self.n
+
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls) if not f.name.startswith("_")}
+
+
+def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low if low is not None else '-inf'}, "
+                         f"{high if high is not None else 'inf'}], got {value}")
+
+
+def _check_float(name: str, value, low: float | None = None, high: float | None = None,
+                 low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    if too_low or (high is not None and value > high):
+        left = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {left}{low if low is not None else '-inf'}, "
+                         f"{high if high is not None else 'inf'}], got {value}")
+
+
+def _int_list(name: str, value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a list of token ids, got {value!r}")
+    out = list(value)
+    for v in out:
+        _check_int(f"{name} entry", v, low=0)
+    return out

@@ -122,6 +122,9 @@ class SamplingParams:
             self.logit_bias = bias
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
+            if isinstance(value, bool):  # TensorRT-LLM's examples pass prompt_logprobs=True
+                value = 1 if value else None
+                setattr(self, name, value)
             if value is not None:
                 _check_int(name, value, low=0, high=20)
         if self.end_id is not None:

@@ -1,0 +1,210 @@
+"""The Llama architecture as plain `nn.Module`s over a paged KV cache (tensor-parallel aware).
+
+Shapes: the batch is *ragged*: all scheduled tokens of all sequences are concatenated into one
+``[num_tokens]`` stream (prefill chunks and decode tokens together); `AttentionMetadata` says where
+each sequence starts, how long its context is, and which cache slot each token writes. Hidden
+states are ``[num_tokens, hidden_size]``.
+
+Tensor parallelism (Megatron-LM layout): QKV and gate/up projections are split by output features
+(column parallel), the attention output and down projections by input features (row parallel, one
+all-reduce each), the embedding and LM head by vocabulary. With ``tp_size == 1`` it is the plain
+model. When ``tp_size`` exceeds the KV head count, KV heads are replicated across ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import kernels as K
+from .config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the ragged batch's tokens belong. Integer tensors live on the model's device.
+
+    slot_mapping: [num_tokens] int64, cache slot written by each token (-1 = padding).
+    block_tables: [num_seqs, max_blocks] int32.
+    seq_lens: [num_seqs] int32, context length after this step (cached + new tokens).
+    query_start_loc: [num_seqs + 1] int32, cumulative new-token counts.
+    max_query_len, max_seq_len: host ints, upper bounds for kernel grids.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class ParallelContext:
+    """This process's place in the tensor-parallel group (rank 0 of 1 when not parallel)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_group: Optional[object] = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return K.rms_norm(x, self.weight, self.eps, residual)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext) -> None:
+        super().__init__()
+        tp = pc.tp_size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads {cfg.num_attention_heads}")
+        if cfg.num_key_value_heads % tp and tp % cfg.num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, "
+                             f"num_key_value_heads {cfg.num_key_value_heads}")
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = max(1, cfg.num_key_value_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.pc = pc
+
+    def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache, cos_sin_cache):
+        n = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
+        q, k = K.apply_rotary(q, k, positions, cos_sin_cache)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        K.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                self.scale, meta.max_query_len, meta.max_seq_len)
+        out = self.o_proj(out.reshape(n, self.q_size))
+        return self.pc.all_reduce(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, pc: ParallelContext) -> None:
+        super().__init__()
+        if cfg.intermediate_size % pc.tp_size:
+            raise ValueError(f"tensor_parallel_size {pc.tp_size} must divide intermediate_size {cfg.intermediate_size}")
+        inter = cfg.intermediate_size // pc.tp_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.pc = pc
+
+    def forward(self, x):
+        return self.pc.all_reduce(self.down_proj(K.silu_and_mul(self.gate_up_proj(x))))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, pc)
+        self.mlp = LlamaMLP(cfg, pc)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose rows are split across tensor-parallel ranks (padded to a multiple of tp)."""
+
+    def __init__(self, vocab_size: int, hidden: int, pc: ParallelContext) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // pc.tp_size)
+        self.start = pc.tp_rank * self.per_rank
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
+        self.pc = pc
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.pc.tp_size == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        mask = (local < 0) | (local >= self.per_rank)
+        out = nn.functional.embedding(local.masked_fill(mask, 0), self.weight)
+        out = out.masked_fill(mask.unsqueeze(-1), 0)
+        return self.pc.all_reduce(out)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder over a paged KV cache.
+
+    ``forward(input_ids [T] int64, positions [T] int64, meta, kv_caches)`` returns the final hidden
+    states ``[T, hidden]``; ``compute_logits(hidden [S, hidden])`` returns ``[S, vocab]`` float32
+    (gathered over tensor-parallel ranks). ``kv_caches[l]`` is ``[2, num_blocks, block_size,
+    num_kv_heads_per_rank, head_dim]``.
+    """
+
+    def __init__(self, cfg: ModelConfig, pc: Optional[ParallelContext] = None,
+                 layer_range: Optional[tuple[int, int]] = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pc = pc or ParallelContext()
+        # Pipeline stages own a contiguous range of layers; the first embeds, the last normalises.
+        self.layer_range = layer_range or (0, cfg.num_hidden_layers)
+        start, end = self.layer_range
+        self.is_first = start == 0
+        self.is_last = end == cfg.num_hidden_layers
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
+            self.is_first or (self.is_last and cfg.tie_word_embeddings)) else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc) for i in range(start, end))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        if self.is_last and not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))
+        else:
+            self.lm_head = None
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+
+    def set_rope_cache(self, cache: torch.Tensor) -> None:
+        self.cos_sin_cache = cache
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches,
+                hidden: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None):
+        if self.is_first:
+            hidden = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, meta, kv, self.cos_sin_cache)
+        if not self.is_last:
+            return hidden, residual
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head if self.lm_head is not None else self.embed_tokens.weight
+        logits = torch.matmul(hidden, weight.t()).float()
+        if self.pc.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.pc.tp_size)]
+            dist.all_gather(parts, logits, group=self.pc.tp_group)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.cfg.vocab_size]

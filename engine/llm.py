@@ -1,0 +1,381 @@
+"""`LLM`: the Python API (TensorRT-LLM's LLM API), in front of a background engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
+
+from .config import KvCacheConfig, ModelConfig
+from .engine_core import EngineCore
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .sequence import Request, Sequence
+from .stats import IterationStats
+
+logger = logging.getLogger(__name__)
+
+PromptInput = Union[str, list[int]]
+_request_ids = itertools.count()
+_STATS_KEPT = 1000
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down, or a worker failed); no request can be served."""
+
+
+class LLM:
+    """Load a Hugging Face Llama-architecture checkpoint and serve requests from a background loop.
+
+    Args:
+        model: a Hugging Face checkpoint directory (Hub ids need network access and are not fetched).
+        tokenizer: a directory holding the tokenizer, if not ``model``.
+        backend: only "pytorch".
+        tensor_parallel_size, pipeline_parallel_size: worker layout (T x P processes when > 1).
+        max_batch_size: sequences per step (default 256).
+        max_num_tokens: tokens per step, the chunked-prefill budget (default 8192).
+        max_seq_len: longest prompt + output in tokens (default: the model's
+            ``max_position_embeddings``).
+        kv_cache_config: `KvCacheConfig`.
+        trust_remote_code: accepted for API compatibility; custom model code is never run.
+        skip_tokenizer_init: run without a tokenizer (prompts must be token ids; no text out).
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
+        dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
+
+    Raises:
+        FileNotFoundError: the model directory or its files are missing.
+        ValueError: an argument outside its allowed range.
+        TypeError: an unknown argument.
+    """
+
+    def __init__(self, model: str, tokenizer: Optional[str] = None, backend: str = "pytorch",
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, max_batch_size: int = 256,
+                 max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
+                 kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
+                 skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto") -> None:
+        if backend != "pytorch":
+            raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
+        for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                            ("pipeline_parallel_size", pipeline_parallel_size),
+                            ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        model_dir = Path(model)
+        if not model_dir.is_dir():
+            raise FileNotFoundError(f"model {model!r} is not a local directory; kvpilot loads Hugging Face "
+                                    f"checkpoint directories (config.json, *.safetensors, tokenizer files)")
+        self.model_dir = model_dir
+        self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        self.model_config = ModelConfig.from_dir(model_dir)
+        cfg = self.model_config
+        self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(Path(tokenizer or model_dir))
+        eos = list(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.append(self.tokenizer.eos_token_id)
+        self.eos_token_ids = list(dict.fromkeys(eos))
+        self._executor = _make_executor(self, device, dtype)
+        self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
+                                max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse)
+        self.pool_tokens = self._executor.num_blocks * self._executor.block_size
+        self._loop = EngineLoop(self._core)
+        self._loop.start()
+
+    # ---- submission --------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this LLM was created with skip_tokenizer_init=True: give prompts as token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids and self.model_config.bos_token_id is not None:
+                ids = [self.model_config.bos_token_id]
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.model_config.vocab_size}), got {bad[:5]}")
+            if not ids:
+                if self.model_config.bos_token_id is None:
+                    raise ValueError("empty token-id prompt and the model has no bos_token_id")
+                ids = [self.model_config.bos_token_id]
+            return None, ids
+        raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool) -> Request:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.use_beam_search:
+            raise NotImplementedError("use_beam_search is not supported yet")
+        text, ids = self._tokenize(prompt)
+        if len(ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
+                             f"hold the prompt and at least one generated token")
+        if len(ids) + params.max_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
+                             f"({self.max_seq_len}); lower max_tokens to at most {self.max_seq_len - len(ids)}")
+        if len(ids) + params.max_tokens > self.pool_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the KV "
+                             f"cache pool of {self.pool_tokens} tokens")
+        if params.bad_words and self.tokenizer is not None:
+            params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
+        rid = next(_request_ids)
+        out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
+        req = Request(rid, ids, params, out)
+        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        for i in range(params.num_candidates):
+            seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
+            req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
+        return req
+
+    def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
+                       streaming: bool = False) -> RequestOutput:
+        """Queue one request and return its `RequestOutput` at once.
+
+        ``await`` it for the finished result (or, with ``streaming=True``, ``async for`` over it).
+
+        Raises:
+            ValueError / TypeError: bad prompt or parameters (nothing is queued).
+            EngineDeadError: the engine has shut down.
+        """
+        req = self._make_request(inputs, sampling_params, streaming)
+        self._loop.submit(req)
+        return req.output
+
+    def generate(self, inputs: Union[PromptInput, Seq[PromptInput]],
+                 sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
+                 use_tqdm: bool = True) -> Union[RequestOutput, list[RequestOutput]]:
+        """Generate for one prompt or a batch; results in input order.
+
+        Args:
+            inputs: a string, a list of token ids, or a list of either.
+            sampling_params: one for all prompts, or one per prompt.
+            use_tqdm: show a progress bar over finished requests.
+        Returns:
+            A `RequestOutput` for a single prompt, else a list of them.
+        """
+        single = isinstance(inputs, str) or (isinstance(inputs, list) and inputs != [] and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in inputs))
+        prompts = [inputs] if single else list(inputs)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            params = list(sampling_params)
+        else:
+            params = [sampling_params] * len(prompts)
+        reqs = [self._make_request(p, sp, False) for p, sp in zip(prompts, params)]
+        for r in reqs:
+            self._loop.submit(r)
+        bar = None
+        if use_tqdm and len(reqs) > 1:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="Processed prompts", dynamic_ncols=True)
+        results = []
+        try:
+            for r in reqs:
+                results.append(r.output.result())
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return results[0] if single else results
+
+    # ---- stats and lifecycle ----------------------------------------------------------------
+    def add_stat_logger(self, fn: Callable[[IterationStats], None]) -> None:
+        """Call ``fn(stats)`` on the engine thread after every step and when the engine turns idle."""
+        self._loop.stat_loggers.append(fn)
+
+    def get_stats(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Iteration stats (TensorRT-LLM field names) gathered since the last call; waits up to
+        ``timeout`` seconds for the first one when none is pending."""
+        return self._loop.take_stats(timeout)
+
+    async def get_stats_async(self, timeout: float = 2.0) -> AsyncIterator[dict[str, Any]]:
+        """Yield iteration stats as they arrive; ends after ``timeout`` seconds without a new one."""
+        while True:
+            stats = await asyncio.get_running_loop().run_in_executor(None, self._loop.take_stats, timeout)
+            if not stats:
+                return
+            for s in stats:
+                yield s
+
+    def abort(self, request_id: int) -> None:
+        self._loop.abort(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the engine loop, fail unfinished requests, release the model."""
+        self._loop.stop()
+        close = getattr(self._executor, "shutdown", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self._loop.stop()
+        except Exception:
+            pass
+
+
+class EngineLoop:
+    """Runs `EngineCore.step` on a daemon thread; other threads talk to it through a queue."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.inbox: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        self.stat_loggers: list[Callable[[IterationStats], None]] = []
+        self._stats: deque[dict[str, Any]] = deque(maxlen=_STATS_KEPT)
+        self._stats_cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._stopped = threading.Event()
+        self.error: Optional[BaseException] = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, req: Request) -> None:
+        if self._stopped.is_set():
+            raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+        self.inbox.put(("add", req))
+
+    def abort(self, request_id: int) -> None:
+        self.inbox.put(("abort", request_id))
+
+    def stop(self) -> None:
+        if not self._stopped.is_set():
+            self.inbox.put(("stop", None))
+            if threading.current_thread() is not self._thread:
+                self._thread.join(timeout=30)
+
+    def take_stats(self, timeout: float) -> list[dict[str, Any]]:
+        with self._stats_cond:
+            self._stats_cond.wait_for(lambda: bool(self._stats), timeout=timeout)
+            out = list(self._stats)
+            self._stats.clear()
+        return out
+
+    def _handle(self, kind: str, payload) -> bool:
+        if kind == "add":
+            self.core.add_request(payload)
+        elif kind == "abort":
+            self.core.abort_request(payload)
+        elif kind == "stop":
+            return False
+        return True
+
+    def _report(self, stats: Optional[IterationStats]) -> None:
+        if stats is None:
+            return
+        with self._stats_cond:
+            self._stats.append(stats.to_dict())
+            self._stats_cond.notify_all()
+        for fn in self.stat_loggers:
+            try:
+                fn(stats)
+            except Exception:
+                logger.exception("stat logger failed")
+
+    def _run(self) -> None:
+        running = True
+        try:
+            while running:
+                # Block for input only when there is nothing to compute.
+                try:
+                    item = self.inbox.get_nowait() if self.core.has_work else self.inbox.get()
+                except queue.Empty:
+                    item = None
+                handled = False
+                while item is not None:
+                    handled = True
+                    if not self._handle(*item):
+                        running = False
+                        break
+                    try:
+                        item = self.inbox.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if not running:
+                    break
+                if self.core.has_work:
+                    try:
+                        self._report(self.core.step())
+                    except Exception as e:  # a bug or device error: fail what is in flight, keep serving
+                        logger.exception("engine step failed")
+                        self.core.fail_all(e)
+                        self._report(self.core._stats(time.monotonic(), _EmptySched(), 0, 0, [], []))
+                elif handled:
+                    self._report(self.core._stats(time.monotonic(), _EmptySched(), 0, 0, [], []))
+        except BaseException as e:  # pragma: no cover - last resort
+            self.error = e
+            logger.exception("engine loop died")
+        finally:
+            self._stopped.set()
+            self.core.fail_all(EngineDeadError("the engine was shut down"))
+            while True:
+                try:
+                    kind, payload = self.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    self.core.add_request(payload)
+                    self.core.fail_all(EngineDeadError("the engine was shut down"))
+
+
+class _EmptySched:
+    scheduled: list = []
+    preempted: list = []
+    prefix_queries = 0
+    prefix_hits = 0
+    num_tokens = 0
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:
+        raise FileNotFoundError(f"could not load a tokenizer from {path}: {e}; pass tokenizer=DIR or "
+                                f"skip_tokenizer_init=True") from e
+
+
+def _bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Token sequences for each bad word, with and without a leading space (as vLLM does)."""
+    out = []
+    for w in words:
+        for variant in (w, " " + w.lstrip()):
+            ids = tokenizer.encode(variant, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def _make_executor(llm: LLM, device: str, dtype: str):
+    from .model_runner import ModelRunner
+
+    if llm.tensor_parallel_size * llm.pipeline_parallel_size > 1:
+        from .parallel import MultiprocExecutor  # noqa: F401  (issue: tensor/pipeline parallelism)
+
+        return MultiprocExecutor(llm, device, dtype)
+    return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
+                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype)

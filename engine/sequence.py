@@ -1,0 +1,96 @@
+"""Engine-side state of a request and of each of its sequences (one per choice)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .outputs import Logprob, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice being generated: the prompt plus its output tokens, and its place in the KV pool.
+
+    ``num_computed_tokens`` tokens have their K/V in the cache (blocks ``block_table``); the rest of
+    ``token_ids`` still need a forward pass (a prefill chunk, or the last sampled token).
+    """
+
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    seed: int
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+    cumulative_logprob: float = 0.0
+    # Detokenizer state: the text so far and how much of it has been sent to the caller.
+    text: str = ""
+    sent_text_len: int = 0
+    sent_token_len: int = 0
+    prefix_offset: int = 0
+    read_offset: int = 0
+    pending_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    pending_logits: list = field(default_factory=list)
+    last_token_time: Optional[float] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.request.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.request.num_prompt_tokens:]
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    """A submitted prompt with its sampling parameters, its sequences and its result handle."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output: RequestOutput
+    seqs: list[Sequence] = field(default_factory=list)
+    aborted: bool = False
+    prompt_logprobs_acc: Optional[list] = None  # [None, {token id: Logprob}, ...] when asked for
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

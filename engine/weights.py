@@ -1,0 +1,136 @@
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into `LlamaForCausalLM`.
+
+Each rank reads only its shard of each tensor (``safe_open(...).get_slice``), straight onto the
+target device. Hugging Face names map onto kvpilot's fused projections: q/k/v -> ``qkv_proj``,
+gate/up -> ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files (from ``model.safetensors.index.json`` when sharded).
+
+    Raises:
+        FileNotFoundError: the directory holds no ``*.safetensors`` file.
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def _kv_head_range(model: LlamaForCausalLM) -> tuple[int, int]:
+    """First KV head and count held by this rank (replicated when tp_size > num_kv_heads)."""
+    cfg, pc = model.cfg, model.pc
+    per_rank = max(1, cfg.num_key_value_heads // pc.tp_size)
+    if pc.tp_size <= cfg.num_key_value_heads:
+        return pc.tp_rank * per_rank, per_rank
+    return pc.tp_rank // (pc.tp_size // cfg.num_key_value_heads), 1
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy the checkpoint's tensors (this rank's shard of them) into ``model``'s parameters.
+
+    Raises:
+        KeyError: a parameter of the model has no tensor in the checkpoint.
+    """
+    cfg, pc = model.cfg, model.pc
+    r, tp = pc.tp_rank, pc.tp_size
+    start, end = model.layer_range
+    hd = cfg.head_dim
+    q_heads = cfg.num_attention_heads // tp
+    kv_first, kv_count = _kv_head_range(model)
+    inter = cfg.intermediate_size // tp
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    device = next(model.parameters()).device
+
+    def put(name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+        p = params[name]
+        target = p if rows is None else p[rows]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}{'' if rows is None else rows}: checkpoint shape {tuple(tensor.shape)} "
+                             f"does not match {tuple(target.shape)}")
+        target.copy_(tensor.to(device=device, dtype=p.dtype))
+        loaded.add(name)
+
+    def vocab_rows(sl, param_name: str) -> None:
+        per = params[param_name].shape[0]
+        lo, hi = r * per, min((r + 1) * per, cfg.vocab_size)
+        put(param_name, sl[lo:hi], slice(0, hi - lo))
+        if hi - lo < per:  # padding rows of the last rank never win the arg-max
+            params[param_name][hi - lo:].zero_()
+
+    for path in safetensors_files(_model_dir(model)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                if key == "model.embed_tokens.weight":
+                    if model.embed_tokens is not None:
+                        vocab_rows(sl, "embed_tokens.weight")
+                    continue
+                if key == "lm_head.weight":
+                    if model.lm_head is not None:
+                        vocab_rows(sl, "lm_head")
+                    continue
+                if key == "model.norm.weight":
+                    if model.norm is not None:
+                        put("norm.weight", sl[:])
+                    continue
+                m = _LAYER_RE.match(key)
+                if not m:
+                    continue  # e.g. rotary inv_freq buffers
+                i, rest = int(m.group(1)), m.group(2)
+                if not start <= i < end:
+                    continue
+                prefix = f"layers.{i - start}."
+                kind = rest.rsplit(".", 1)[-1]  # weight or bias
+                if rest.startswith("self_attn.q_proj."):
+                    put(prefix + f"self_attn.qkv_proj.{kind}", sl[r * q_heads * hd:(r + 1) * q_heads * hd],
+                        slice(0, q_heads * hd))
+                elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+                    off = q_heads * hd + (0 if ".k_proj." in rest else kv_count * hd)
+                    put(prefix + f"self_attn.qkv_proj.{kind}", sl[kv_first * hd:(kv_first + kv_count) * hd],
+                        slice(off, off + kv_count * hd))
+                elif rest == "self_attn.o_proj.weight":
+                    put(prefix + "self_attn.o_proj.weight", sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
+                elif rest == "self_attn.o_proj.bias":
+                    put(prefix + "self_attn.o_proj.bias", sl[:] if r == 0 else torch.zeros(sl.get_shape()))
+                elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+                    off = 0 if ".gate_proj." in rest else inter
+                    put(prefix + f"mlp.gate_up_proj.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
+                elif rest == "mlp.down_proj.weight":
+                    put(prefix + "mlp.down_proj.weight", sl[:, r * inter:(r + 1) * inter])
+                elif rest == "mlp.down_proj.bias":
+                    put(prefix + "mlp.down_proj.bias", sl[:] if r == 0 else torch.zeros(sl.get_shape()))
+                elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                    put(prefix + rest, sl[:])
+    missing = [n for n in params if n not in loaded]
+    if missing:
+        raise KeyError(f"checkpoint {_model_dir(model)} lacks tensors for {missing[:8]}"
+                       f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _model_dir(model: LlamaForCausalLM) -> Path:
+    return Path(model.cfg.raw["_model_dir"])

@@ -406,6 +406,7 @@ def ensure_stories260k(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".stories260K-", dir=root))
     try:
         convert_llama2c(src / _STORIES_FILES[0], src / _STORIES_FILES[1], tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         os.rename(tmp, target)
     except OSError:
         if not target.is_dir():  # not a lost race with another process: a real failure

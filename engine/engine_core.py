@@ -51,6 +51,14 @@ class EngineCore:
         self.requests: dict[int, Request] = {}
         self.iteration = 0
         self._pending_finished: list[FinishedRequestStats] = []
+        # Updates wait here until the step's stats are reported, so that a caller woken by its
+        # result already sees the stats of the step that produced it.
+        self._outbox: list[tuple] = []
+
+    def flush_outputs(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        for output, update in outbox:
+            output._push(update)
 
     @property
     def has_work(self) -> bool:
@@ -98,8 +106,8 @@ class EngineCore:
             max_tokens=req.params.max_tokens, n=req.params.n, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=now))
-        req.output._push(RequestUpdate(deltas=deltas, finished=True, error=error,
-                                       prompt_logprobs=req.prompt_logprobs_acc))
+        self._outbox.append((req.output, RequestUpdate(deltas=deltas, finished=True, error=error,
+                                                       prompt_logprobs=req.prompt_logprobs_acc)))
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[IterationStats]:
@@ -281,7 +289,7 @@ class EngineCore:
                     deltas = [self._delta(s, replace_index=i) for i, s in enumerate(best)]
                 self._finish_request(req, deltas)
             elif deltas:
-                req.output._push(RequestUpdate(deltas=deltas, prompt_logprobs=req.prompt_logprobs_acc))
+                self._outbox.append((req.output, RequestUpdate(deltas=deltas, prompt_logprobs=req.prompt_logprobs_acc)))
 
     def _stats(self, t0, sched, num_prompt_tokens, num_generated, ttft, itl, num_context=0) -> IterationStats:
         self.iteration += 1

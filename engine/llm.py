@@ -285,6 +285,7 @@ class EngineLoop:
 
     def _report(self, stats: Optional[IterationStats]) -> None:
         if stats is None:
+            self.core.flush_outputs()
             return
         with self._stats_cond:
             self._stats.append(stats.to_dict())
@@ -294,6 +295,7 @@ class EngineLoop:
                 fn(stats)
             except Exception:
                 logger.exception("stat logger failed")
+        self.core.flush_outputs()
 
     def _run(self) -> None:
         running = True
@@ -331,6 +333,7 @@ class EngineLoop:
         finally:
             self._stopped.set()
             self.core.fail_all(EngineDeadError("the engine was shut down"))
+            self.core.flush_outputs()
             while True:
                 try:
                     kind, payload = self.inbox.get_nowait()
@@ -339,6 +342,7 @@ class EngineLoop:
                 if kind == "add":
                     self.core.add_request(payload)
                     self.core.fail_all(EngineDeadError("the engine was shut down"))
+                    self.core.flush_outputs()
 
 
 class _EmptySched:

@@ -125,10 +125,9 @@ class LLM:
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
                              f"hold the prompt and at least one generated token")
-        if len(ids) + params.max_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_seq_len "
-                             f"({self.max_seq_len}); lower max_tokens to at most {self.max_seq_len - len(ids)}")
-        if len(ids) + params.max_tokens > self.pool_tokens:
+        # Generation stops at max_seq_len (finish_reason "length"), as vLLM's offline LLM does; the
+        # HTTP server rejects prompt + max_tokens > max_seq_len up front, as OpenAI's API does.
+        if min(len(ids) + params.max_tokens, self.max_seq_len) > self.pool_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the KV "
                              f"cache pool of {self.pool_tokens} tokens")
         if params.bad_words and self.tokenizer is not None:

@@ -145,8 +145,10 @@ def test_unknown_sampling_field():
 def test_bad_prompts_rejected_before_queueing(llm):
     with pytest.raises(ValueError, match="max_seq_len"):
         llm.generate("hello " * 600, SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="max_tokens"):
-        llm.generate("hello", SamplingParams(max_tokens=510))
+    long = llm.generate("hello", SamplingParams(max_tokens=600, ignore_eos=True))
+    # Clipped at max_seq_len (512 for stories260K).
+    assert long.outputs[0].finish_reason == "length"
+    assert len(long.prompt_token_ids) + len(long.outputs[0].token_ids) == 512
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([1, 99999], SamplingParams(max_tokens=4))
     with pytest.raises(TypeError):

@@ -1,0 +1,37 @@
+"""The seed's `generate()` and `generate_async(..., streaming=True)` examples."""
+
+import asyncio
+
+from _model import MODEL
+from kvpilot import LLM, SamplingParams
+
+llm = LLM(model=MODEL)
+
+outputs = llm.generate(
+    inputs=["Prompt 1", "Prompt 2"],  # Single or list of prompts
+    sampling_params=SamplingParams(temperature=0.7),
+    use_tqdm=True,  # Show progress bar
+)
+
+for output in outputs:
+    print(output.prompt)
+    for sequence in output.outputs:
+        print(sequence.text)
+
+
+async def process_request(prompt: str):
+    output = await llm.generate_async(
+        inputs=prompt,
+        sampling_params=SamplingParams(max_tokens=128),
+        streaming=True,  # Enable streaming
+    )
+
+    # For streaming responses
+    async for chunk in output:
+        if not chunk.finished:
+            print(chunk.outputs[0].text, end="", flush=True)
+    print()
+
+
+asyncio.run(process_request("Once upon a time"))
+llm.shutdown()

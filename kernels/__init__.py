@@ -1,0 +1,150 @@
+"""Kernels of the kvpilot engine: paged attention, KV-cache write, RMSNorm, rotary, SiLU-and-mul.
+
+Every op exists in three names:
+
+- ``<op>_ref``: plain PyTorch (``kernels/reference.py``); what the engine runs on CPU.
+- ``<op>_triton``: the Triton kernel (``kernels/attention.py``, ``kv_cache.py``, ``pointwise.py``);
+  runs on CUDA, or on CPU tensors under ``TRITON_INTERPRET=1`` (tests).
+- ``<op>``: dispatches to Triton when the input is on CUDA and Triton is importable, else to the
+  reference.
+
+Triton is imported lazily, so ``import kvpilot.kernels`` works on machines without it.
+Layouts and algorithms are described in docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+
+import torch
+
+from .reference import (
+    apply_rotary_ref,
+    build_rope_cache,
+    paged_attention_ref,
+    rms_norm_ref,
+    silu_and_mul_ref,
+    write_kv_cache_ref,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "write_kv_cache",
+    "write_kv_cache_ref",
+    "write_kv_cache_triton",
+    "paged_attention",
+    "paged_attention_ref",
+    "paged_attention_triton",
+    "rms_norm",
+    "rms_norm_ref",
+    "rms_norm_triton",
+    "apply_rotary",
+    "apply_rotary_ref",
+    "apply_rotary_triton",
+    "build_rope_cache",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "silu_and_mul_triton",
+    "triton_available",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the ``triton`` package can be imported (checked once, then cached)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        logger.info("triton is not installed; kernels fall back to the PyTorch references")
+        return False
+    return True
+
+
+def _triton_impl(module: str, name: str):
+    """Return ``kvpilot.kernels.<module>.<name>``, importing the Triton module on first use."""
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Triton version of :func:`~kvpilot.kernels.reference.write_kv_cache_ref` (same contract)."""
+    return _triton_impl("kv_cache", "write_kv_cache_triton")(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention_triton(*args, **kwargs):
+    """Triton version of :func:`~kvpilot.kernels.reference.paged_attention_ref` (same arguments).
+
+    Also takes keyword ``num_splits``, which overrides the split-K heuristic of the decode path
+    (see ``kernels/attention.py``).
+    """
+    return _triton_impl("attention", "paged_attention_triton")(*args, **kwargs)
+
+
+def rms_norm_triton(x, weight, eps, residual=None):
+    """Triton version of :func:`~kvpilot.kernels.reference.rms_norm_ref` (same contract)."""
+    return _triton_impl("pointwise", "rms_norm_triton")(x, weight, eps, residual)
+
+
+def apply_rotary_triton(q, k, positions, cos_sin_cache):
+    """Triton version of :func:`~kvpilot.kernels.reference.apply_rotary_ref`; rotates in place."""
+    return _triton_impl("pointwise", "apply_rotary_triton")(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul_triton(x):
+    """Triton version of :func:`~kvpilot.kernels.reference.silu_and_mul_ref` (same contract)."""
+    return _triton_impl("pointwise", "silu_and_mul_triton")(x)
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and triton_available()
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write K/V into the paged cache in place; Triton on CUDA, reference otherwise.
+
+    See :func:`~kvpilot.kernels.reference.write_kv_cache_ref` for shapes and errors.
+    """
+    fn = write_kv_cache_triton if _use_triton(k) else write_kv_cache_ref
+    return fn(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+):
+    """Paged causal attention for mixed prefill/decode batches; Triton on CUDA, reference otherwise.
+
+    See :func:`~kvpilot.kernels.reference.paged_attention_ref` for shapes, semantics and errors.
+    """
+    fn = paged_attention_triton if _use_triton(q) else paged_attention_ref
+    return fn(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+    )
+
+
+def rms_norm(x, weight, eps, residual=None):
+    """RMSNorm (+ fused residual add); Triton on CUDA, reference otherwise.
+
+    See :func:`~kvpilot.kernels.reference.rms_norm_ref`.
+    """
+    fn = rms_norm_triton if _use_triton(x) else rms_norm_ref
+    return fn(x, weight, eps, residual)
+
+
+def apply_rotary(q, k, positions, cos_sin_cache):
+    """Rotary embedding (HF half-split); Triton on CUDA (in place), reference otherwise.
+
+    Callers must use the returned tensors. See :func:`~kvpilot.kernels.reference.apply_rotary_ref`.
+    """
+    fn = apply_rotary_triton if _use_triton(q) else apply_rotary_ref
+    return fn(q, k, positions, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    """``silu(x[..., :d]) * x[..., d:]``; Triton on CUDA, reference otherwise.
+
+    See :func:`~kvpilot.kernels.reference.silu_and_mul_ref`.
+    """
+    fn = silu_and_mul_triton if _use_triton(x) else silu_and_mul_ref
+    return fn(x)

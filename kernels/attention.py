@@ -1,0 +1,378 @@
+"""Triton paged attention for mixed prefill-chunk / decode batches.
+
+Two kernels (docs/kernels.md has the details):
+
+- ``_prefill_kernel``: one program per (sequence, tile of ``BLOCK_Q`` queries, kv head). The rows
+  of the program's tile are (query, head-in-group) pairs, so the query heads that share a kv head
+  read each K/V tile once. Flash-attention online softmax over the cache, gathered page by page
+  through the block table, with the causal limit of the tile's last query. Used whenever
+  ``max_query_len > 1``; the decodes of such a mixed batch are one-query tiles. (Sending them to
+  the decode kernel instead cost two extra launches and measured slower on an H200.)
+- ``_decode_kernel`` + ``_reduce_kernel``: decode-only batches (``max_query_len == 1``). One program
+  per (sequence, kv head, context split); the whole GQA group is one tile. With more than one split
+  (flash-decoding, for long contexts and few sequences) each program writes a normalised partial
+  output and its log-sum-exp, and the reduction kernel merges them.
+
+All accumulation is fp32; softmax uses ``exp2`` with the scale folded into ``log2(e)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import _check_attention_args
+
+logger = logging.getLogger(__name__)
+
+_LOG2E = 1.4426950408889634
+
+# Launch parameters, chosen by benchmarks/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
+# halved for head_dim > 128 to bound registers. Module-level so the benchmark can sweep them.
+TUNING = {
+    # Decode contexts are split only when (sequences x kv heads) < no_split_per_sm * SMs, into
+    # about programs_per_sm * SMs programs.
+    "decode": {
+        "block_n": 64,
+        "num_warps": 4,
+        "num_stages": 2,
+        "programs_per_sm": 4,
+        "no_split_per_sm": 2,
+    },
+    "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+}
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = ctx_len + q_idx
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    # The tile's last query bounds the keys any of its rows may see.
+    kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
+            + kv_head * stride_kh + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        allowed = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # Rows with nothing visible yet (padding rows) keep m = -inf; shift by 0 to avoid NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
+            + kv_head * stride_vh + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, partition_size,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_start = split * partition_size
+    if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
+        return
+    kv_end = tl.minimum(seq_len, kv_start + partition_size)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = q_start.to(tl.int64)
+    q = tl.load(
+        q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(kv_start, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < kv_end
+        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        off = n % BLOCK_SIZE
+        k = tl.load(
+            k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
+            + kv_head * stride_kh + d[:, None],
+            mask=n_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        # Every split has at least one valid key, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs
+            + kv_head * stride_vh + d[None, :],
+            mask=n_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # fmt: skip
+        if DOT_FP32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # part_out: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM_PAD]; part_lse: [.., NUM_SPLITS].
+        row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr,
+    partition_size, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    if tl.load(qsl_ptr + seq + 1) - q_start != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_valid = tl.cdiv(seq_len, partition_size)
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_ok = (sp < num_valid) & (sp < NUM_SPLITS)
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + sp
+    lse = tl.load(part_lse_ptr + row, mask=sp_ok, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(
+        out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(n))
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Context splits for decode: enough programs to keep HBM busy, none shorter than 256 tokens.
+
+    One program per (sequence, kv head) is too few for long contexts and small batches (2 per SM
+    reached only 67% of copy bandwidth on an H200), while splitting a batch that already fills the
+    GPU costs ~10% (the reduction); see docs/kernels.md.
+    """
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # TRITON_INTERPRET=1 on CPU: any small number exercises the split path
+        sms = 4
+    cfg = TUNING["decode"]
+    programs = max(1, num_seqs * num_kv_heads)
+    if programs >= cfg["no_split_per_sm"] * sms:
+        return 1
+    want = math.ceil(cfg["programs_per_sm"] * sms / programs)
+    return max(1, min(want, math.ceil(max_seq_len / 256), 64))
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton paged attention; same contract as :func:`kvpilot.kernels.reference.paged_attention_ref`.
+
+    ``max_query_len``/``max_seq_len`` must be true upper bounds (they size the grid; no device
+    sync happens here). Decode-only batches (``max_query_len == 1``) take the split-K decode
+    kernel, all others the prefill kernel; ``num_splits`` overrides the decode split heuristic
+    (tests use it). The innermost dimension of ``q`` and of the caches must be contiguous. Tokens
+    not covered by ``query_start_loc`` get zeros.
+
+    Raises:
+        ValueError: on inconsistent shapes or a non-contiguous innermost dimension.
+    """
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    out = torch.zeros_like(q)
+    if num_seqs == 0 or num_tokens == 0 or max_query_len <= 0:
+        return out
+    seq_lens = seq_lens.to(torch.int32)
+    query_start_loc = query_start_loc.to(torch.int32)
+    head_dim_pad = _pow2_at_least(head_dim)
+    # fp32 inputs would otherwise be rounded to tf32 inside tl.dot on recent GPUs.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    scale_log2 = float(scale) * _LOG2E
+    # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9), so upcast there.
+    dot_fp32 = q.dtype == torch.bfloat16 and not q.is_cuda
+    common_strides = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+    )  # fmt: skip
+
+    if max_query_len > 1:
+        cfg = TUNING["prefill"]
+        block_m = max(cfg["block_m"], triton.next_power_of_2(group))
+        block_q = block_m // group
+        block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
+        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
+            scale_log2, *common_strides,
+            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, DOT_FP32=dot_fp32,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        return out
+
+    splits = num_splits or _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    cfg = TUNING["decode"]
+    block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
+    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(max_seq_len, 1), partition)
+    if splits > 1:
+        part_out = torch.empty(
+            num_seqs, num_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+        scale_log2, partition, *common_strides,
+        NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, BLOCK_G=_pow2_at_least(group),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        PRECISION=precision, DOT_FP32=dot_fp32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, query_start_loc, partition,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=1,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,50 @@
+"""``kvpilot operator [--namespace NS]``: run the LLMDeployment operator with kopf.
+
+Credentials come from the pod's service account when in a cluster, else from ``KUBECONFIG``
+(kopf's and kvpilot's clients both use the ``kubernetes`` package's loaders).
+
+Peering (https://kopf.readthedocs.io/en/stable/peering/): replicas of the operator share a
+``KopfPeering`` object (``ClusterKopfPeering`` when cluster-wide) named ``--peering``. Each
+replica takes a random priority; only the highest-priority live one handles events and the
+others stand by, so two replicas never both act. The chart creates the peering object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+logger = logging.getLogger(__name__)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", "-n", action="append", default=None, metavar="NS",
+                        help="watch only this namespace (repeatable); default: the whole cluster")
+    parser.add_argument("--peering", default="kvpilot", help="name of the KopfPeering object (default kvpilot)")
+    parser.add_argument("--standalone", action="store_true",
+                        help="no peering: for a single operator, or a cluster without kopf's peering CRDs")
+    parser.add_argument("--priority", type=int, default=None,
+                        help="peering priority (default: random, so that exactly one replica acts)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="kopf's liveness endpoint for the pod's probe ('' to disable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from . import handlers
+
+    priority = args.priority if args.priority is not None else handlers.random_priority()
+    logger.info("starting the kvpilot operator (%s, peering %s, priority %d)",
+                f"namespaces {args.namespace}" if args.namespace else "cluster-wide",
+                "off" if args.standalone else args.peering, priority)
+    asyncio.run(kopf.operator(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=priority,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0

@@ -1,0 +1,160 @@
+"""kopf handlers for LLMDeployment: thin wrappers over render(), apply() and desired_status().
+
+What triggers what:
+
+- ``on.create`` / ``on.update`` (spec changes only) / ``on.resume`` (operator start) of an
+  LLMDeployment: :func:`reconcile` renders the children and applies them idempotently (create,
+  or merge-patch what differs), deletes a child of the other workload kind when the shape
+  crossed the one-node boundary, and writes the status. Status-only changes of the CR do not
+  trigger it (kopf diffs ``spec`` only), and nothing is written when nothing differs.
+- ``on.event`` of a child Deployment or LeaderWorkerSet (labelled ``managed-by:
+  kvpilot-operator``): :func:`workload_changed` recomputes the owner's status (ready replicas,
+  conditions) and patches ``/status`` only if it changed.
+
+Plugging in the autoscaler (operator/autoscaler.py ``decide``, operator/scrape.py): add a timer
+here, e.g. ``@kopf.timer(GROUP, VERSION, PLURAL, interval=..., when=autoscaling_enabled)``, that
+scrapes the pods matching ``status.selector`` (list them with ``memo.kube.list("Pod", ns,
+serving_selector(cr))``: the label filter is applied in code too), calls ``decide(...)``, and
+when the decision differs writes, in this order, (1) ``status.desiredReplicas`` via
+``memo.kube.merge_patch(KIND, ns, name, {"status": {...}}, subresource="status")`` and (2) the
+child's ``spec.replicas`` via ``memo.kube.merge_patch(workload_kind(cr), ns, name, {"spec":
+{"replicas": n}})``. render() already takes replicas from ``status.desiredReplicas`` (clamped to
+min/max) when autoscaling is on, so a later reconcile re-applies the same number instead of
+fighting the autoscaler. Its own conditions (e.g. ``MetricsAvailable``) can be written with
+``status.merge_conditions``; :func:`desired_status` keeps condition types it does not own.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from typing import Any
+
+import kopf
+
+from . import apply as kube
+from .crd import GROUP, KIND, PLURAL, VERSION, normalize
+from .render import LWS_API_VERSION, MANAGED_BY, render, workload_kind
+from .status import desired_status, now_rfc3339, status_patch
+
+logger = logging.getLogger(__name__)
+
+ANNOTATION_PREFIX = "serving.kvpilot.io"
+CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings shared by ``kvpilot operator`` and the tests.
+
+    kopf's progress and diff-base records go to annotations under ``serving.kvpilot.io``,
+    not to ``status``: the CRD's structural schema would prune ``status.kopf``. Events are
+    posted only for warnings and errors, so a settled operator writes nothing.
+    """
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    settings.posting.level = logging.WARNING
+
+
+@kopf.on.login()
+def _login(**_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials from the same source as :class:`KubeClient` (see ``load_configuration``)."""
+    cfg = kube.load_configuration()
+    auth = (cfg.api_key or {}).get("authorization") or (cfg.api_key or {}).get("BearerToken")
+    scheme, _, token = (auth or "").partition(" ")
+    return kopf.ConnectionInfo(
+        server=cfg.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        username=cfg.username or None,
+        password=cfg.password or None,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+    )
+
+
+@kopf.on.startup()
+def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    if getattr(memo, "kube", None) is None:
+        memo.kube = kube.KubeClient.from_environment()
+
+
+@kopf.on.cleanup()
+def _cleanup(memo: kopf.Memo, **_: Any) -> None:
+    client = getattr(memo, "kube", None)
+    if client is not None:
+        client.close()
+
+
+def random_priority() -> int:
+    """A peering priority for this replica: the highest-priority live operator acts, others pause."""
+    return random.randint(1, 2**30)
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Apply the rendered children of one LLMDeployment and write its status."""
+    client: kube.KubeClient = memo.kube
+    cr = _as_dict(body)
+    try:
+        cr = normalize(cr)
+        objects = render(cr)
+    except ValueError as exc:  # the API server admitted something render() rejects: do not retry
+        raise kopf.PermanentError(str(exc)) from exc
+    meta = cr["metadata"]
+    ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
+    results = [kube.apply(client, obj) for obj in objects]
+    changed = [f"{r.kind}:{r.action}" for r in results if r.action != "unchanged"]
+    if changed:
+        logger.info("applied %s", ", ".join(changed))
+    current = workload_kind(cr)
+    for kind in WORKLOAD_KINDS:
+        if kind != current:
+            kube.delete_if_owned(client, kind, ns, name, uid)
+    child = client.get(current, ns, name)
+    _write_status(client, cr, child, observed_generation=True)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
+@kopf.on.event(*LWS_API_VERSION.split("/"), "leaderworkersets", labels=CHILD_LABELS)
+def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """Carry a child workload's readiness into its LLMDeployment's status."""
+    child = _as_dict(body)
+    owner = next((r for r in child["metadata"].get("ownerReferences") or []
+                  if r.get("controller") and r.get("kind") == KIND), None)
+    if owner is None:
+        return
+    client: kube.KubeClient = memo.kube
+    ns = child["metadata"].get("namespace") or "default"
+    cr = client.get(KIND, ns, owner["name"])
+    if cr is None or cr["metadata"].get("uid") != owner.get("uid"):
+        return
+    try:
+        cr = normalize(cr)
+    except ValueError:
+        return  # reconcile reports it
+    if workload_kind(cr) != child["kind"]:
+        return  # a stale child on its way out
+    _write_status(client, cr, None if type == "DELETED" else child, observed_generation=False)
+
+
+def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,
+                  observed_generation: bool) -> None:
+    patch = status_patch(cr, desired_status(cr, child, now_rfc3339(), observed_generation=observed_generation))
+    if patch:
+        meta = cr["metadata"]
+        client.merge_patch(KIND, meta.get("namespace") or "default", meta["name"], {"status": patch},
+                           subresource="status")
+
+
+def _as_dict(body: Any) -> dict[str, Any]:
+    """A plain, mutable copy of a kopf body (kopf's bodies are read-only views)."""
+    return copy.deepcopy(dict(body))

@@ -3,22 +3,34 @@
 Public API (TensorRT-LLM's LLM API)::
 
     from kvpilot import LLM, SamplingParams, KvCacheConfig, RequestOutput, CompletionOutput
+
+Names are resolved lazily (PEP 562), so ``kvpilot.operator`` and ``kvpilot render`` do not import
+torch.
 """
 
-from .config import KvCacheConfig
-from .llm import LLM, EngineDeadError
-from .outputs import CompletionOutput, Logprob, RequestAborted, RequestError, RequestOutput
-from .sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = [
-    "LLM",
-    "SamplingParams",
-    "KvCacheConfig",
-    "RequestOutput",
-    "CompletionOutput",
-    "Logprob",
-    "RequestError",
-    "RequestAborted",
-    "EngineDeadError",
-]
+import importlib
+
+_EXPORTS = {
+    "LLM": "llm", "EngineDeadError": "llm",
+    "SamplingParams": "sampling_params",
+    "KvCacheConfig": "config",
+    "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
+    "RequestError": "outputs", "RequestAborted": "outputs",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvpilot' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,240 @@
+"""``kvpilot bench ...``: benchmarks as commands (their results go into BENCHMARKS.md).
+
+``kvpilot bench serve --url URL --concurrency N --num-prompts M`` drives a running OpenAI-compatible
+server (kvpilot, vLLM, ...) with ``N`` clients in a closed loop, each sending streamed
+``/v1/completions`` requests until ``M`` have been sent, and reports what the vLLM serving benchmark
+reports: time to first token (TTFT), inter-token latency (ITL, the gap between consecutive streamed
+chunks), time per output token (TPOT, per request: (e2e - TTFT) / (output tokens - 1)), end-to-end
+latency, as mean / p50 / p90 / p99 in milliseconds, plus request and output-token throughput.
+
+Prompts are synthetic: ``--prompt-len`` words drawn from a fixed list of simple English words
+(about one token per word for Llama-style tokenizers), seeded by ``--seed``. ``ignore_eos`` is sent
+(vLLM's extra field) so that every request generates exactly ``--max-tokens`` tokens.
+
+Subcommands register in ``_SUBCOMMANDS``; each has a ``configure`` and a ``run`` function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import httpx
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_WORDS = ("once upon a time there was little girl named lily she loved to play outside in the park one day "
+          "saw big red ball wanted with it but too high tom and his friend went sun happy dog cat tree bird "
+          "mom said look at this they ran home good fun toy box water fish boat sky blue green").split()
+
+
+@dataclass
+class RequestResult:
+    """Timings of one streamed request, seconds (``time.perf_counter`` differences)."""
+
+    ok: bool
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+def make_prompts(num: int, words: int, seed: int) -> list[str]:
+    """``num`` synthetic prompts of ``words`` words each (deterministic for a seed)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(num)]
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    start = time.perf_counter()
+    last = None
+    res = RequestResult(ok=False)
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"].get("message", "error")
+                    return res
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    res.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                if not any(c.get("text") for c in chunk.get("choices") or []):
+                    continue
+                now = time.perf_counter()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.itls.append(now - last)
+                last = now
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        return res
+    res.e2e = time.perf_counter() - start
+    res.ok = last is not None
+    if not res.ok:
+        res.error = "no text was streamed"
+    return res
+
+
+async def run_serve_benchmark(url: str, model: Optional[str], prompts: list[str], concurrency: int,
+                              max_tokens: int, api_key: Optional[str] = None, temperature: float = 0.0,
+                              timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+    """Send ``prompts`` with at most ``concurrency`` in flight; returns the results and the wall time (s).
+
+    Raises:
+        RuntimeError: ``model`` is None and the server's ``/v1/models`` cannot say which model it serves.
+    """
+    base = url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
+        if model is None:
+            r = await client.get(base + "/models")
+            if r.status_code != 200 or not r.json().get("data"):
+                raise RuntimeError(f"cannot list models at {base}/models: HTTP {r.status_code} {r.text[:200]}")
+            model = r.json()["data"][0]["id"]
+        queue: asyncio.Queue = asyncio.Queue()
+        for p in prompts:
+            queue.put_nowait(p)
+        results: list[RequestResult] = []
+
+        async def worker() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+                        "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+                results.append(await _one_request(client, base + "/completions", body))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - start
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    """Aggregate figures: latency distributions in ms, throughputs per second of wall time."""
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_token_throughput": out_tokens / duration if duration else 0.0,
+        "ttft_ms": _dist([r.ttft for r in ok]),
+        "tpot_ms": _dist(tpots),
+        "itl_ms": _dist([x for r in ok for x in r.itls]),
+        "e2e_ms": _dist([r.e2e for r in ok]),
+    }
+
+
+def format_summary(s: dict, concurrency: int) -> str:
+    """A plain-text table of a `summarize` result."""
+    lines = [f"concurrency {concurrency}: {s['completed']} requests ok, {s['failed']} failed "
+             f"in {s['duration_s']:.2f} s",
+             f"  request throughput      {s['request_throughput']:.2f} req/s",
+             f"  output token throughput {s['output_token_throughput']:.1f} tok/s "
+             f"({s['total_output_tokens']} tokens; {s['total_prompt_tokens']} prompt tokens)",
+             f"  {'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
+        d = s[key]
+        lines.append(f"  {label:<6}{d['mean']:>10.2f}{d['p50']:>10.2f}{d['p90']:>10.2f}{d['p99']:>10.2f}")
+    return "\n".join(lines)
+
+
+# ---- subcommands ----------------------------------------------------------------------------------
+
+def _configure_serve(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                   help="clients in flight; several values run one benchmark each")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per benchmark run")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos is sent)")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words (about tokens)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    for name in ("num_prompts", "max_tokens", "prompt_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if any(c < 1 for c in args.concurrency):
+        raise SystemExit("--concurrency must be >= 1")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed)
+    runs = []
+    if args.warmup:
+        asyncio.run(run_serve_benchmark(args.url, args.model, prompts[:args.warmup], 1, args.max_tokens,
+                                        args.api_key, args.temperature))
+    for conc in args.concurrency:
+        results, duration = asyncio.run(run_serve_benchmark(args.url, args.model, prompts, conc, args.max_tokens,
+                                                             args.api_key, args.temperature))
+        summary = summarize(results, duration)
+        for r in results:
+            if not r.ok:
+                logger.warning("request failed: %s", r.error)
+        sys.stdout.write(format_summary(summary, conc) + "\n")
+        runs.append({"concurrency": conc, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
+                     "prompt_len_words": args.prompt_len, **summary})
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"url": args.url, "runs": runs}, f, indent=2)
+    return 0 if all(r["failed"] == 0 for r in runs) else 1
+
+
+# (name, help, configure, run): the GPU benchmarks (`latency`, `throughput`) are added here.
+_SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None],
+                         Callable[[argparse.Namespace], int]]] = [
+    ("serve", "latency and throughput of a running OpenAI-compatible server", _configure_serve, _run_serve),
+]
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark subcommands to ``kvpilot bench``."""
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    for name, help_text, configure, run_fn in _SUBCOMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        configure(p)
+        p.set_defaults(_bench_run=run_fn)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark; returns its exit code (2 when none was named)."""
+    fn = getattr(args, "_bench_run", None)
+    if fn is None:
+        sys.stderr.write("kvpilot bench: name a benchmark: " + ", ".join(n for n, *_ in _SUBCOMMANDS) + "\n")
+        return 2
+    return int(fn(args) or 0)

@@ -1,0 +1,133 @@
+"""``kvpilot serve MODEL``: one engine, one uvicorn server, OpenAI's HTTP API, graceful drain.
+
+SIGTERM (or Ctrl-C) starts a drain: ``/health`` and new requests get 503, requests already running
+finish within ``--drain-timeout`` seconds (the rest are aborted), then the process exits 0.
+A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from typing import Any, Optional
+
+import uvicorn
+
+from .app import create_app
+from .chat_template import load_chat_template
+from .state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Add ``kvpilot serve``'s arguments (DESIGN.md's CLI contract, plus server options)."""
+    parser.add_argument("model", help="Hugging Face checkpoint directory (or Hub id where the network allows)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
+    parser.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
+    parser.add_argument("--max-seq-len", type=int, default=None,
+                        help="context limit in tokens, prompt + output (default: the model's)")
+    parser.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
+                        help="fraction of the GPU memory left after loading that the KV cache takes")
+    parser.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in tokens")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="disable KV block reuse across requests")
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
+    parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: MODEL as given)")
+    parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
+    parser.add_argument("--chat-template", default=None,
+                        help="Jinja chat template file (or inline template) overriding the tokenizer's")
+    parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
+                        help="'vllm' also exports every metric under vLLM's vllm: names")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds running requests get to finish after SIGTERM (default 30)")
+    parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
+    from .. import LLM, KvCacheConfig
+
+    kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
+                       enable_block_reuse=not args.no_prefix_caching, tokens_per_block=args.tokens_per_block)
+    return LLM(args.model, tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
+               pipeline_parallel_size=args.pipeline_parallel_size, max_batch_size=args.max_batch_size,
+               max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len, kv_cache_config=kv,
+               device=args.device, dtype=args.dtype)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain on the first SIGTERM/SIGINT instead of an immediate stop.
+
+    uvicorn re-raises the signals it caught after shutting down (so the process would die of
+    SIGTERM); this handler records none, so a drained server returns normally and exits 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._drain_task: Optional[asyncio.Future] = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self._loop is None:
+            logger.warning("second signal %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = self.state.draining
+            return
+        logger.info("%s: draining (up to %.0f s for %d running requests)", signal.Signals(sig).name,
+                    self.drain_timeout, self.state.num_active)
+        self.state.draining = True
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        if not await self.state.wait_idle(self.drain_timeout):
+            n = self.state.abort_all()
+            logger.warning("drain timeout: aborted %d requests still running", n)
+            await self.state.wait_idle(5.0)
+        self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.load_error is not None:
+            self.should_exit = True
+        return await super().on_tick(counter)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until drained; returns 0, or 1 if the model failed to load."""
+    try:
+        template = load_chat_template(args.chat_template)
+    except (FileNotFoundError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
+                        chat_template=template, api_key=args.api_key or None)
+    prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)
+    app = create_app(state, load=lambda: build_engine(args), metrics_prefixes=prefixes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    server = DrainingServer(config, state, args.drain_timeout)
+    logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
+    server.run()
+    if state.load_error is not None:
+        return 1
+    logger.info("server stopped")
+    return 0

@@ -1,0 +1,94 @@
+"""What the HTTP server knows about its one engine: loaded or not, draining or not, what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from prometheus_client import CollectorRegistry
+
+from ..outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServerState:
+    """Shared state of one server process (one engine per process).
+
+    Attributes:
+        served_model_name: the name clients pass as ``model`` (and the metrics' ``model_name``).
+        model_path: where the weights came from (shown as ``root`` in ``/v1/models``).
+        llm: the `kvpilot.LLM`, None while it loads.
+        chat_template: ``--chat-template`` text, overriding the tokenizer's own.
+        api_key: bearer token required on ``/v1/*`` (health probes excepted), or None.
+        registry: the Prometheus registry ``/metrics`` renders.
+        load_error: why loading failed, if it did (``/health`` stays 503).
+        draining: set on SIGTERM: ``/health`` and new requests get 503 while running ones finish.
+    """
+
+    served_model_name: str
+    model_path: str
+    llm: Any = None
+    chat_template: Optional[str] = None
+    api_key: Optional[str] = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    load_error: Optional[BaseException] = None
+    draining: bool = False
+    _active_http: int = 0
+    _outputs: set = field(default_factory=set)
+    _idle: Optional[asyncio.Event] = None
+
+    @property
+    def ready(self) -> bool:
+        """True when requests can be served: the engine is loaded and the server is not draining."""
+        return self.llm is not None and not self.draining
+
+    @property
+    def num_active(self) -> int:
+        """HTTP generation requests not yet answered in full (streams count until their last chunk)."""
+        return self._active_http
+
+    def _idle_event(self) -> asyncio.Event:
+        if self._idle is None:
+            self._idle = asyncio.Event()
+            if self._active_http == 0:
+                self._idle.set()
+        return self._idle
+
+    def begin(self) -> None:
+        """Count one generation request as in flight (call `end` exactly once when it is done)."""
+        self._active_http += 1
+        self._idle_event().clear()
+
+    def end(self) -> None:
+        self._active_http -= 1
+        if self._active_http == 0:
+            self._idle_event().set()
+
+    @contextlib.contextmanager
+    def tracking(self, outputs: list[RequestOutput]) -> Iterator[None]:
+        """Remember ``outputs`` so that a drain past its deadline can abort them."""
+        self._outputs.update(outputs)
+        try:
+            yield
+        finally:
+            self._outputs.difference_update(outputs)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for in-flight requests to finish; True if they all did."""
+        try:
+            await asyncio.wait_for(self._idle_event().wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_all(self) -> int:
+        """Abort every tracked engine request; returns how many were aborted."""
+        outs = list(self._outputs)
+        for out in outs:
+            out.abort()
+        return len(outs)

@@ -21,6 +21,7 @@ from .detokenizer import decode_new_text, find_stop, hold_back_len, init_offsets
 from .kv_cache_manager import KVCacheManager
 from .model_runner import ScheduledSeq
 from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
+from .beam_search import BeamSearch
 from .sampler import Sampler, SamplingRow
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SequenceStatus
@@ -48,6 +49,8 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
         self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
         self.sampler = Sampler()
+        self.beam_search = BeamSearch(self)  # issue 7: use_beam_search requests
+        self._context_logits: dict[int, list[torch.Tensor]] = {}  # issue 7: return_context_logits
         self.requests: dict[int, Request] = {}
         self.iteration = 0
         self._pending_finished: list[FinishedRequestStats] = []
@@ -106,8 +109,10 @@ class EngineCore:
             max_tokens=req.params.max_tokens, n=req.params.n, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=now))
+        ctx = self._context_logits.pop(req.request_id, None)  # issue 7: return_context_logits
         self._outbox.append((req.output, RequestUpdate(deltas=deltas, finished=True, error=error,
-                                                       prompt_logprobs=req.prompt_logprobs_acc)))
+                                                       prompt_logprobs=req.prompt_logprobs_acc,
+                                                       context_logits=torch.cat(ctx) if ctx else None)))
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[IterationStats]:
@@ -128,8 +133,8 @@ class EngineCore:
         num_context = sum(1 for seq, _ in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens)
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
-            want_prompt_lp = (seq.params.prompt_logprobs is not None and seq.index == 0
-                              and start < seq.num_prompt_tokens)
+            want_prompt_lp = ((seq.params.prompt_logprobs is not None or seq.params.return_context_logits)
+                              and seq.index == 0 and start < seq.num_prompt_tokens)
             plan.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + n], start, list(seq.block_table),
                                      sample=start + n == seq.num_tokens, all_logits=want_prompt_lp))
             m = seq.request.output.metrics
@@ -146,7 +151,10 @@ class EngineCore:
             if seq.num_computed_tokens < seq.num_prompt_tokens:
                 num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
             if p.all_logits:
-                self._prompt_logprobs(seq, p.start_pos, logits[row:row + n])
+                if seq.params.prompt_logprobs is not None:
+                    self._prompt_logprobs(seq, p.start_pos, logits[row:row + n])
+                if seq.params.return_context_logits:  # issue 7
+                    self._keep_context_logits(seq, p.start_pos, logits[row:row + n])
                 row += n
                 last = row - 1
             elif p.sample:
@@ -160,6 +168,8 @@ class EngineCore:
                 sample_rows.append(last)
         ttft, itl = [], []
         updates: dict[int, list[SequenceDelta]] = {}
+        if any(s.params.use_beam_search for s in sample_seqs):  # issue 7: beams choose their own tokens
+            sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
         if sample_seqs:
             sel = logits[torch.tensor(sample_rows, device=logits.device)] if row != len(sample_rows) else logits
             out = self.sampler(sel, rows)
@@ -199,6 +209,17 @@ class EngineCore:
             logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids, banned_token_ids=banned,
             bad_word_seqs=p._bad_words_ids)
 
+    def _keep_context_logits(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Keep the raw logits of prompt positions not kept yet (a recomputed prompt repeats them)."""
+        kept = self._context_logits.setdefault(seq.request.request_id, [])
+        have = sum(t.shape[0] for t in kept)
+        stop = min(start + logits.shape[0], seq.num_prompt_tokens)
+        if start > have:  # positions before `start` came from the prefix cache: no logits for them
+            logger.warning("request %d: context logits miss prompt positions %d..%d (prefix cache hit)",
+                           seq.request.request_id, have, start - 1)
+        elif stop > have:
+            kept.append(logits[have - start:stop - start].float().cpu())
+
     def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         req = seq.request
         k = seq.params.prompt_logprobs
@@ -225,8 +246,9 @@ class EngineCore:
             seq.cumulative_logprob += logprob
         if top is not None and p.logprobs is not None:
             ids, vals, rank = top
-            entry = {t: Logprob(v, r + 1, self._piece(t)) for r, (t, v) in enumerate(zip(ids, vals))}
-            entry.setdefault(token, Logprob(logprob, rank, self._piece(token)))
+            context = seq.token_ids[-5:-1]
+            entry = {t: Logprob(v, r + 1, self._piece(t, context)) for r, (t, v) in enumerate(zip(ids, vals))}
+            entry.setdefault(token, Logprob(logprob, rank, self._piece(token, context)))
             seq.pending_logprobs.append(entry)
         if logits_row is not None:
             seq.pending_logits.append(logits_row)
@@ -275,8 +297,12 @@ class EngineCore:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, generation_logits=gen_logits,
             replace=replace_index is not None)
 
-    def _piece(self, token: int) -> Optional[str]:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
+    def _piece(self, token: int, context: list[int]) -> Optional[str]:
+        """The text ``token`` adds after ``context`` (keeps its leading space, unlike decoding it alone)."""
+        if self.tokenizer is None:
+            return None
+        before = self.tokenizer.decode(context, skip_special_tokens=True)
+        return self.tokenizer.decode(context + [token], skip_special_tokens=True)[len(before):]
 
     def _emit(self, updates: dict[int, list[SequenceDelta]], sampled: list[Sequence]) -> None:
         for req in {s.request for s in sampled}:

@@ -119,8 +119,6 @@ class LLM:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if params.use_beam_search:
-            raise NotImplementedError("use_beam_search is not supported yet")
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
@@ -130,13 +128,21 @@ class LLM:
         if min(len(ids) + params.max_tokens, self.max_seq_len) > self.pool_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) can never fit the KV "
                              f"cache pool of {self.pool_tokens} tokens")
+        vocab = self.model_config.vocab_size
+        for name, ids_ in (("allowed_token_ids", params.allowed_token_ids or []),
+                           ("logit_bias", list(params.logit_bias or {})), ("stop_token_ids", params.stop_token_ids),
+                           ("bad_token_ids", params.bad_token_ids)):
+            bad_ids = [t for t in ids_ if not 0 <= t < vocab]
+            if bad_ids:
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}")
         if params.bad_words and self.tokenizer is not None:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
         rid = next(_request_ids)
         out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
         req = Request(rid, ids, params, out)
-        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
-        for i in range(params.num_candidates):
+        base_seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
+        # Beam search starts from one sequence and forks it (engine/beam_search.py).
+        for i in range(1 if params.use_beam_search else params.num_candidates):
             seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
         return req

@@ -232,6 +232,8 @@ class EngineCore:
             pos = start + j + 1
             if pos >= req.num_prompt_tokens:
                 break
+            if pos < len(acc):  # recomputed after a preemption: already collected
+                continue
             tok = req.prompt_token_ids[pos]
             entry = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist()))}
             chosen = float(lps[j, tok])

@@ -102,8 +102,9 @@ class KVCacheManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding a prefix of ``seq``'s tokens (at most ``num_tokens - 1`` tokens, so
         that at least one token is computed and yields logits)."""
-        if not self.enable_block_reuse or seq.params.prompt_logprobs is not None:
-            return []  # prompt log-probabilities need every prompt position's logits
+        if (not self.enable_block_reuse or seq.params.prompt_logprobs is not None
+                or seq.params.return_context_logits):
+            return []  # prompt log-probabilities and context logits need every prompt position's logits
         B = self.block_size
         hits = []
         for i, h in enumerate(self._block_hashes(seq, (seq.num_tokens - 1) // B)):

@@ -196,7 +196,12 @@ class RequestOutput:
                 out.finish_reason = d.finish_reason
                 out.stop_reason = d.stop_reason
             if d.generation_logits is not None:
-                out.generation_logits = d.generation_logits
+                if out.generation_logits is None or d.replace:
+                    out.generation_logits = d.generation_logits
+                else:
+                    import torch
+
+                    out.generation_logits = torch.cat([out.generation_logits, d.generation_logits])
         if update.context_logits is not None:
             self.context_logits = update.context_logits
         if update.prompt_logprobs is not None:

@@ -23,7 +23,7 @@ from .model_runner import ScheduledSeq
 from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
 from .beam_search import BeamSearch
 from .sampler import Sampler, SamplingRow
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stats import FinishedRequestStats, IterationStats, KvCacheStats
 
@@ -318,6 +318,10 @@ class EngineCore:
                 self._finish_request(req, deltas)
             elif deltas:
                 self._outbox.append((req.output, RequestUpdate(deltas=deltas, prompt_logprobs=req.prompt_logprobs_acc)))
+
+    def idle_stats(self) -> IterationStats:
+        """Gauges without a step (after aborts or an engine error), so that usage can fall to 0."""
+        return self._stats(time.monotonic(), SchedulerOutput(), 0, 0, [], [])
 
     def _stats(self, t0, sched, num_prompt_tokens, num_generated, ttft, itl, num_context=0) -> IterationStats:
         self.iteration += 1

@@ -329,9 +329,9 @@ class EngineLoop:
                     except Exception as e:  # a bug or device error: fail what is in flight, keep serving
                         logger.exception("engine step failed")
                         self.core.fail_all(e)
-                        self._report(self.core._stats(time.monotonic(), _EmptySched(), 0, 0, [], []))
+                        self._report(self.core.idle_stats())
                 elif handled:
-                    self._report(self.core._stats(time.monotonic(), _EmptySched(), 0, 0, [], []))
+                    self._report(self.core.idle_stats())
         except BaseException as e:  # pragma: no cover - last resort
             self.error = e
             logger.exception("engine loop died")
@@ -348,14 +348,6 @@ class EngineLoop:
                     self.core.add_request(payload)
                     self.core.fail_all(EngineDeadError("the engine was shut down"))
                     self.core.flush_outputs()
-
-
-class _EmptySched:
-    scheduled: list = []
-    preempted: list = []
-    prefix_queries = 0
-    prefix_hits = 0
-    num_tokens = 0
 
 
 def _load_tokenizer(path: Path):

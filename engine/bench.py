@@ -29,6 +29,8 @@ from typing import Callable, Optional
 import httpx
 import numpy as np
 
+from . import bench_offline as _offline
+
 logger = logging.getLogger(__name__)
 
 _WORDS = ("once upon a time there was little girl named lily she loved to play outside in the park one day "
@@ -219,6 +221,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None],
                          Callable[[argparse.Namespace], int]]] = [
     ("serve", "latency and throughput of a running OpenAI-compatible server", _configure_serve, _run_serve),
+    *_offline.SUBCOMMANDS,
 ]
 
 

@@ -4,16 +4,29 @@ The runner takes plain data (`ScheduledSeq` records: which tokens of which seque
 their K/V go) and returns the logits of the sequences that sample this step. It flattens all
 scheduled tokens into one ragged batch (token ids, positions, slot mapping, block tables, sequence
 lengths), so prefill chunks and decode tokens share one forward pass.
+
+On CUDA (TensorRT-LLM's and vLLM's recipe):
+
+- weights are created in their final dtype straight on the device (no float32 staging copy);
+- the KV pool gets ``free_gpu_memory_fraction`` of the memory still free after the weights and a
+  profiling forward pass of ``max_num_tokens`` tokens (``KvCacheConfig.max_tokens`` caps it);
+- decode-only steps replay CUDA graphs captured at padded batch sizes (`cuda_graphs.DecodeGraphs`);
+  prefill and mixed steps run eagerly;
+- inputs are built with numpy in pinned host buffers and sent with one asynchronous copy, so the
+  only device-to-host synchronisation per step is the sampler reading the chosen token ids.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from . import kernels as K
@@ -40,10 +53,11 @@ class ScheduledSeq:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    """"auto" -> cuda when available, else cpu; a bare "cuda" gets the current device's index."""
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device needs an index
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -58,6 +72,37 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def cuda_graphs_enabled() -> bool:
+    """``KVPILOT_CUDA_GRAPHS`` (default 1): set to 0 to run every step eagerly (debugging)."""
+    return os.environ.get("KVPILOT_CUDA_GRAPHS", "1") not in ("0", "false", "False", "no")
+
+
+class _Staging:
+    """A growable pinned host buffer plus the event of the last copy that read it.
+
+    Reusing the buffer before that copy ran would send the next step's values to the previous step,
+    so `take` waits for the event (normally long done: the sampler syncs every step).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=torch.int64)
+        self.event = torch.cuda.Event() if self.pinned else None
+
+    def take(self, n: int) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.host.numel() < n:
+            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=torch.int64, pin_memory=self.pinned)
+        return self.host.numpy()[:n]
+
+    def send(self, n: int, device: torch.device) -> torch.Tensor:
+        out = self.host[:n].to(device, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        return out
+
+
 class ModelRunner:
     """Owns the model's weights and KV cache on one device.
 
@@ -66,10 +111,17 @@ class ModelRunner:
         cfg: its `ModelConfig`.
         kv_config: pool sizing and block size.
         max_num_tokens: tokens per step (the profiling pass runs this many).
-        max_batch_size: sequences per step.
+        max_batch_size: sequences per step (CUDA graphs are captured up to this many).
         max_seq_len: longest sequence (prompt + output), tokens.
         device, dtype: "auto" or explicit.
         pc, layer_range: tensor-parallel rank and pipeline stage (defaults: the whole model).
+
+    Attributes set for reports: ``weight_bytes``, ``load_seconds``, ``free_bytes_for_kv`` (free memory
+    after weights and profiling, before the fraction), ``profile_peak_bytes``, ``num_blocks``,
+    ``bytes_per_block``, ``graphs`` (a `DecodeGraphs` or None).
+
+    Raises:
+        MemoryError: no room for even one KV block.
     """
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
@@ -89,7 +141,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device("meta"):
             model = LlamaForCausalLM(cfg, pc, layer_range)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
+        model = model.to(self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
         model.eval()
         rope_len = max(max_seq_len, cfg.max_position_embeddings)
@@ -97,16 +150,33 @@ class ModelRunner:
                                                 device=self.device))
         self.model = model
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s (%.1f MB, %s, %s) in %.1f s", model_dir, self.weight_bytes / 1e6, self.dtype,
-                    self.device, time.perf_counter() - t0)
+                    self.device, self.load_seconds)
         kv_dtype = self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
         self.kv_dtype = kv_dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads if len(model.layers) else 1
+        self.free_bytes_for_kv = 0.0
+        self.profile_peak_bytes = 0
+        self._staging = _Staging(self.device)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in model.layers]
         logger.info("KV pool: %d blocks x %d tokens (%.1f MB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 1e6)
+        self.graphs = None
+        single = (pc is None or pc.tp_size == 1) and model.is_first and model.is_last
+        if self.device.type == "cuda" and single and cuda_graphs_enabled():
+            from .cuda_graphs import DecodeGraphs
+
+            try:
+                self.graphs = DecodeGraphs(self)
+                self.graphs.capture()
+            except Exception:  # serve eagerly (slower) rather than not at all
+                logger.exception("CUDA graph capture failed; decode steps will run eagerly")
+                self.graphs = None
 
     @property
     def bytes_per_block(self) -> int:
@@ -114,14 +184,20 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * len(self.model.layers) * self.block_size * self.num_kv_heads * self.cfg.head_dim * elem
 
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
     def _num_kv_blocks(self) -> int:
         """Blocks for the pool: the free-memory fraction of what is left after weights and a profiling pass."""
         kv = self.kv_config
         per_block = max(self.bytes_per_block, 1)
         if self.device.type == "cuda":
-            budget = self._profile_free_gpu_bytes() * kv.free_gpu_memory_fraction
+            self.free_bytes_for_kv = self._profile_free_gpu_bytes()
+            budget = self.free_bytes_for_kv * kv.free_gpu_memory_fraction
         else:
-            budget = cpu_kv_cache_bytes() * kv.free_gpu_memory_fraction
+            self.free_bytes_for_kv = float(cpu_kv_cache_bytes())
+            budget = self.free_bytes_for_kv * kv.free_gpu_memory_fraction
             # No need for more than every sequence at full length.
             budget = min(budget, self.max_batch_size * (self.max_seq_len + self.block_size) * per_block / self.block_size)
         blocks = int(budget // per_block)
@@ -147,60 +223,99 @@ class ModelRunner:
         ids, pos, meta, sample_idx = self.prepare([seq])
         hidden = self._forward(ids, pos, meta, caches)
         if self.model.is_last:
-            self.model.compute_logits(hidden[-self.max_batch_size:])
+            # The largest logits block a step can ask for: every decode of a full batch.
+            self.model.compute_logits(hidden[-min(self.max_batch_size, n):])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         del caches, hidden
         torch.cuda.empty_cache()
         free, _total = torch.cuda.mem_get_info()
+        self.profile_peak_bytes = peak
         logger.info("profiling pass of %d tokens: %.2f GB activations peak, %.2f GB free", n, peak / 1e9, free / 1e9)
         return max(free - peak, 0)
 
-    def prepare(self, seqs: list[ScheduledSeq]):
-        """Flatten a schedule into (input_ids [T], positions [T], AttentionMetadata, sample indices [S])."""
+    # ---- inputs ------------------------------------------------------------------------------
+    def _prepare(self, seqs: list[ScheduledSeq]):
+        """Flatten a schedule; returns (ids, positions, meta, sample index list, sample index tensor).
+
+        All index arithmetic is numpy on one pinned int64 staging buffer, sent in one copy.
+        """
         B = self.block_size
-        ids, pos, slots, qsl, lens, sample_idx = [], [], [], [0], [], []
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = []
-        for s in seqs:
-            n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            p = range(s.start_pos, s.start_pos + n)
-            pos.extend(p)
-            bt = s.block_table
-            slots.extend(bt[q // B] * B + q % B for q in p)
+        n = len(seqs)
+        qlens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+        T = int(qlens.sum())
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, n)
+        qsl = np.zeros(n + 1, np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        seq_of_tok = np.repeat(np.arange(n), qlens)
+        pos = starts[seq_of_tok] + (np.arange(T) - qsl[:-1][seq_of_tok])
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((n, width), np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        slots = tables[seq_of_tok, pos // B] * B + pos % B
+        sample_idx: list[int] = []
+        for i, s in enumerate(seqs):
             if s.all_logits:
-                sample_idx.extend(range(qsl[-1], qsl[-1] + n))
+                sample_idx.extend(range(int(qsl[i]), int(qsl[i + 1])))
             elif s.sample:
-                sample_idx.append(qsl[-1] + n - 1)
-            qsl.append(qsl[-1] + n)
-            lens.append(s.start_pos + n)
-            tables.append(bt + [0] * (max_blocks - len(bt)))
-        dev = self.device
+                sample_idx.append(int(qsl[i + 1]) - 1)
+        S = len(sample_idx)
+        # Layout of the staging buffer: ids | pos | slots | seq_lens | qsl | tables | sample_idx.
+        sizes = [T, T, T, n, n + 1, n * width, S]
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        buf = self._staging.take(int(offs[-1]))
+        buf[offs[0]:offs[1]] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, T)
+        buf[offs[1]:offs[2]] = pos
+        buf[offs[2]:offs[3]] = slots
+        buf[offs[3]:offs[4]] = starts + qlens
+        buf[offs[4]:offs[5]] = qsl
+        buf[offs[5]:offs[6]] = tables.reshape(-1)
+        buf[offs[6]:offs[7]] = sample_idx
+        dev = self._staging.send(int(offs[-1]), self.device)
+        part = [dev[offs[i]:offs[i + 1]] for i in range(7)]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            max_query_len=max(len(s.token_ids) for s in seqs),
-            max_seq_len=max(lens),
+            slot_mapping=part[2],
+            block_tables=part[5].view(n, width).to(torch.int32),
+            seq_lens=part[3].to(torch.int32),
+            query_start_loc=part[4].to(torch.int32),
+            max_query_len=int(qlens.max()),
+            max_seq_len=int((starts + qlens).max()),
         )
-        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                meta, sample_idx)
+        return part[0], part[1], meta, sample_idx, part[6]
+
+    def prepare(self, seqs: list[ScheduledSeq]):
+        """Flatten a schedule into (input_ids [T] int64, positions [T] int64, AttentionMetadata,
+        sample indices: list of rows of the flat batch whose logits the step returns)."""
+        ids, pos, meta, sample_idx, _ = self._prepare(seqs)
+        return ids, pos, meta, sample_idx
 
     def _forward(self, ids, pos, meta, caches, hidden=None, residual=None):
         return self.model(ids, pos, meta, caches, hidden, residual)
 
+    # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
-        """Run one step. Returns (logits [R, vocab] float32 for the sampled rows, row index per seq or -1).
+        """Run one step. Returns (logits [R, vocab] float32 for the sampled rows, their flat-batch rows).
 
         Rows are in schedule order: a sequence with ``sample`` contributes one row (its last token);
-        one with ``all_logits`` contributes one row per computed token.
+        one with ``all_logits`` contributes one row per computed token. On a CUDA-graph step the
+        logits are a view of a static buffer, valid until the next ``execute``.
         """
-        ids, pos, meta, sample_idx = self.prepare(seqs)
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            return self.graphs.run(seqs), list(range(len(seqs)))
+        ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
         hidden = self._forward(ids, pos, meta, self.kv_caches)
         if not sample_idx:
             return torch.empty(0, self.cfg.vocab_size, device=self.device), []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_idx, device=self.device)])
-        return logits, sample_idx
+        if len(sample_idx) != hidden.shape[0]:
+            hidden = hidden.index_select(0, sample_t)
+        return self.model.compute_logits(hidden), sample_idx
+
+    def shutdown(self) -> None:
+        """Drop graphs, KV pool and weights so their device memory can be reused in this process."""
+        self.graphs = None
+        self.kv_caches = []
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

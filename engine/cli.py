@@ -31,12 +31,25 @@ def _add(subparsers, name: str, module: str, help_text: str) -> None:
     parser.set_defaults(_run=mod.run)
 
 
+def _command_name(argv: list[str]) -> str | None:
+    """The first positional argument, skipping the value of ``--log-level``."""
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--log-level":
+            skip = True
+        elif not a.startswith("-"):
+            return a
+    return None
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Build the parser, importing only the module of the subcommand named in ``argv``."""
     parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: LLM serving engine and Kubernetes operator")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    wanted = next((a for a in argv if not a.startswith("-")), None)
+    wanted = _command_name(argv)
     for name, module, help_text in _COMMANDS:
         if wanted in (None, name):
             _add(sub, name, module, help_text)

@@ -1,0 +1,393 @@
+"""Tensor x pipeline parallelism: `MultiprocExecutor` runs the model in T x P worker processes.
+
+The user's process stays the single front end: `LLM`'s engine core (scheduler, KV block manager,
+sampler, detokenizer) runs there, and each step's plan (``list[ScheduledSeq]``, plain data) goes to
+the workers over `multiprocessing` pipes. The workers (`kvpilot.parallel_worker`) form one
+``torch.distributed`` group (NCCL on GPUs, gloo on CPU) and hold one weight shard each; the output
+rank (tensor-parallel rank 0 of the last pipeline stage) sends the step's float32 logits back.
+
+Processes start with the ``spawn`` method (CUDA cannot survive ``fork``), which re-imports the
+user's main module in every worker: scripts must protect their entry point with
+``if __name__ == "__main__":`` (as TensorRT-LLM's LLM API documents); a missing guard is reported
+with that advice instead of multiprocessing's bootstrapping error.
+
+A worker that raises, exits or stops answering makes `execute` raise `EngineDeadError` carrying the
+worker's traceback; the engine loop is stopped and every other worker is terminated, so nothing
+hangs. Waits use `multiprocessing.connection.wait` over the pipes and the process sentinels.
+
+Multi-node (a LeaderWorkerSet group): LWS sets ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE`` and
+``LWS_WORKER_INDEX`` in every pod; the rendezvous is ``tcp://$LWS_LEADER_ADDRESS:$MASTER_PORT``.
+Pod ``i`` runs ranks ``[i * R, (i + 1) * R)`` with ``R = T * P / LWS_GROUP_SIZE``. The leader's
+`LLM` runs the front end and its ranks; the other pods call `run_lws_worker`. Then plans reach the
+ranks by a gloo broadcast from rank 0, and rank 0 relays the output rank's logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import wait as mp_wait
+from pathlib import Path
+from typing import Mapping, Optional
+
+import torch
+
+from .config import KvCacheConfig, ModelConfig
+from .parallel_worker import MSG_ERROR, MSG_OK, MSG_READY, WorkerSpec, stage_layers, worker_main
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MASTER_PORT = 29500  # torch.distributed's MASTER_PORT convention (the operator sets it too)
+_GUARD_HINT = ("kvpilot starts its tensor/pipeline-parallel workers with the 'spawn' method, which re-imports "
+               "your main module in every worker. Protect your script's entry point:\n\n"
+               "    if __name__ == '__main__':\n        main()\n\n"
+               "so that creating the LLM does not run again in the workers.")
+
+
+def _engine_dead_error():
+    from .llm import EngineDeadError  # llm imports this module lazily; import back lazily too
+
+    return EngineDeadError
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass(frozen=True)
+class LwsGroup:
+    """This pod's place in a LeaderWorkerSet group (from the environment LWS injects)."""
+
+    leader_address: str
+    size: int
+    index: int
+    port: int
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["LwsGroup"]:
+        """The group described by ``LWS_GROUP_SIZE`` / ``LWS_LEADER_ADDRESS`` / ``LWS_WORKER_INDEX``
+        (and ``MASTER_PORT``, default 29500); None outside a group or in a group of one pod.
+
+        Raises:
+            ValueError: ``LWS_GROUP_SIZE`` > 1 without ``LWS_LEADER_ADDRESS``, or non-integer values.
+        """
+        env = os.environ if env is None else env
+        size = int(env.get("LWS_GROUP_SIZE") or 1)
+        if size <= 1:
+            return None
+        leader = env.get("LWS_LEADER_ADDRESS")
+        if not leader:
+            raise ValueError("LWS_GROUP_SIZE > 1 but LWS_LEADER_ADDRESS is not set")
+        return cls(leader, size, int(env.get("LWS_WORKER_INDEX") or 0),
+                   int(env.get("MASTER_PORT") or DEFAULT_MASTER_PORT))
+
+
+def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """Check that the model splits into ``tp`` x ``pp`` shards (before any process starts).
+
+    Raises:
+        ValueError: naming the dimension that does not split.
+    """
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads {cfg.num_attention_heads}")
+    kv = cfg.num_key_value_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, num_key_value_heads {kv}")
+    if cfg.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {cfg.intermediate_size}")
+    stage_layers(cfg.num_hidden_layers, pp)
+
+
+def _resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = device.split(":", 1)[0]
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {device!r}")
+    if ":" in device:
+        logger.warning("device %r: parallel workers use cuda:<local rank>; the index is ignored", device)
+    return kind
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
+                     max_batch_size: int, max_seq_len: int, device: str, dtype: str, tp: int, pp: int,
+                     group: Optional[LwsGroup]) -> WorkerSpec:
+    """The `WorkerSpec` every rank gets; on one node the rendezvous is a free localhost port.
+
+    Raises:
+        ValueError: a layout the model or the LWS group cannot take, or too few GPUs.
+    """
+    validate_layout(cfg, tp, pp)
+    dev = _resolve_device(device)
+    world = tp * pp
+    if group is not None:
+        if world % group.size:
+            raise ValueError(f"tensor x pipeline = {world} ranks do not split evenly over {group.size} pods")
+        per_node, init = world // group.size, f"tcp://{group.leader_address}:{group.port}"
+    else:
+        per_node, init = world, f"tcp://127.0.0.1:{_free_port()}"
+    if dev == "cuda" and torch.cuda.device_count() < per_node:
+        raise ValueError(f"{per_node} ranks on this node need {per_node} GPUs; {torch.cuda.device_count()} visible")
+    return WorkerSpec(
+        model_dir=str(model_dir), cfg=cfg, kv_config=kv_config, max_num_tokens=max_num_tokens,
+        max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=dev, dtype=dtype, tp_size=tp,
+        pp_size=pp, init_method=init, ranks_per_node=per_node, multi_node=group is not None,
+        timeout_s=_env_float("KVPILOT_DIST_TIMEOUT_S", 600.0),
+        microbatching=os.environ.get("KVPILOT_PP_MICROBATCH", "1") != "0",
+        log_level=logging.getLogger().getEffectiveLevel())
+
+
+def _start_ranks(spec: WorkerSpec, ranks: range, with_pipes: bool):
+    """Spawn one process per rank; returns (processes, front-end pipe ends or Nones)."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeError(f"an LLM with worker processes was created while a worker was starting. {_GUARD_HINT}")
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    for rank in ranks:
+        parent, child = ctx.Pipe(duplex=True) if with_pipes else (None, None)
+        p = ctx.Process(target=worker_main, args=(rank, spec, child), name=f"kvpilot-rank{rank}", daemon=True)
+        try:
+            p.start()
+        except RuntimeError as e:
+            if "bootstrapping phase" in str(e):
+                raise RuntimeError(f"{_GUARD_HINT}\n(multiprocessing said: {e})") from e
+            raise
+        if child is not None:
+            child.close()  # the worker holds its end; closing ours lets EOF reach us when it dies
+        procs.append(p)
+        conns.append(parent)
+    return procs, conns
+
+
+class MultiprocExecutor:
+    """Runs the model in ``tensor_parallel_size x pipeline_parallel_size`` worker processes.
+
+    Has the executor interface `EngineCore` uses: ``execute(plan) -> (logits [R, vocab] float32, row
+    indices)`` (logits on the output rank's GPU through a shared CUDA buffer on one GPU node, else on
+    CPU), ``num_blocks`` (the smallest pool over ranks) and ``block_size``.
+
+    Args:
+        llm: the `LLM` being built (model directory, config, limits, layout).
+        device: "auto", "cpu" or "cuda" (rank r of a node uses ``cuda:r``).
+        dtype: as for `ModelRunner`.
+
+    Raises:
+        ValueError: the layout does not fit the model or the machine.
+        RuntimeError: a worker failed while starting (its traceback is in the message; a missing
+            ``if __name__ == "__main__":`` guard is named as the likely cause).
+    """
+
+    def __init__(self, llm, device: str, dtype: str) -> None:
+        self._llm_ref = weakref.ref(llm)
+        self.block_size = llm.kv_cache_config.tokens_per_block
+        self._dead: Optional[BaseException] = None
+        self._closed = False
+        group = LwsGroup.from_env()
+        if group is not None and group.index != 0:
+            raise RuntimeError(f"this pod is worker {group.index} of a LeaderWorkerSet group; only the leader "
+                               f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.run_lws_worker")
+        spec = make_worker_spec(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
+                                llm.max_batch_size, llm.max_seq_len, device, dtype, llm.tensor_parallel_size,
+                                llm.pipeline_parallel_size, group)
+        self.spec = spec
+        self._step_timeout = _env_float("KVPILOT_STEP_TIMEOUT_S", spec.timeout_s + 60.0)
+        t0 = time.perf_counter()
+        self._procs, self._conns = _start_ranks(spec, range(spec.ranks_per_node), with_pipes=True)
+        output_rank = (spec.pp_size - 1) * spec.tp_size
+        if spec.multi_node:
+            self._plan_conns = [self._conns[0]]
+            self._out_conn = self._conns[0]
+        else:
+            self._plan_conns = list(self._conns)
+            self._out_conn = self._conns[output_rank]
+        blocks = {}
+        self._logits_buf: Optional[torch.Tensor] = None
+        deadline = time.monotonic() + _env_float("KVPILOT_WORKER_START_TIMEOUT_S", 1800.0)
+        try:
+            while len(blocks) < len(self._conns):
+                waiting = [c for i, c in enumerate(self._conns) if i not in blocks]
+                conn, msg = self._wait_for(waiting, deadline - time.monotonic(), starting=True)
+                if msg[0] != MSG_READY:
+                    self._die(f"unexpected message from a starting worker: {msg[0]!r}")
+                blocks[self._conns.index(conn)] = msg[1]
+                if msg[2] is not None:
+                    self._open_logits_buffer(msg[2])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.num_blocks = min(blocks.values())
+        logger.info("%d x %d workers ready in %.1f s (%s, %d KV blocks per rank)", spec.tp_size, spec.pp_size,
+                    time.perf_counter() - t0, spec.device, self.num_blocks)
+
+    def _open_logits_buffer(self, ipc) -> None:
+        try:
+            rebuild, args = ipc
+            self._logits_buf = rebuild(*args)
+        except Exception:  # noqa: BLE001 - the pipe path still works, only slower
+            logger.warning("cannot open the output worker's CUDA logits buffer; logits go through the pipe",
+                           exc_info=True)
+            self._logits_buf = None
+
+    # ---- per step ------------------------------------------------------------------------------
+    def execute(self, plan) -> tuple[torch.Tensor, list[int]]:
+        """Send one step's plan to the workers; return the output rank's logits (CPU float32) and rows.
+
+        Raises:
+            EngineDeadError: a worker failed, exited or timed out (now or earlier).
+        """
+        if self._dead is not None:
+            raise self._dead
+        data = pickle.dumps(("step", plan, self._logits_buf is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._plan_conns:
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
+                self._die("a worker closed its pipe")
+        _, msg = self._wait_for([self._out_conn], self._step_timeout)
+        if msg[0] != MSG_OK:
+            self._die(f"unexpected message from the output worker: {msg[0]!r}")
+        _, shape, rows, in_buffer = msg
+        if in_buffer:
+            return self._logits_buf[:shape[0]].clone(), rows
+        try:
+            raw = self._out_conn.recv_bytes()
+        except (EOFError, OSError):
+            self._die("the output worker closed its pipe while sending logits")
+        if not raw:
+            return torch.empty(shape, dtype=torch.float32), rows
+        return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), rows
+
+    def _wait_for(self, wanted: list, timeout: float, starting: bool = False):
+        """(pipe, message) of the next message on one of ``wanted``; watch every pipe and process meanwhile."""
+        deadline = time.monotonic() + timeout
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._die(f"no answer from the workers within {timeout:.0f} s")
+            ready = mp_wait([c for c in self._conns if c is not None] + list(sentinels), timeout=min(left, 1.0))
+            for conn in ready:
+                if any(conn is w for w in wanted):
+                    return conn, self._recv(conn, starting)  # an error message raises in _recv
+            for obj in ready:
+                if obj in sentinels:
+                    i = sentinels[obj]
+                    c = self._conns[i]
+                    if c is not None and c.poll(0.5):
+                        self._recv(c, starting)  # dies with the worker's own error text when it sent one
+                    self._worker_gone(i, starting)
+                msg = self._recv(obj, starting)
+                self._die(f"unexpected message {msg[0]!r} from a worker")
+
+    def _recv(self, conn, starting: bool):
+        rank = self._conns.index(conn)
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:
+            self._worker_gone(rank, starting)
+        if msg[0] == MSG_ERROR:
+            self._die(f"worker rank {msg[1]} failed:\n{msg[2]}")
+        return msg
+
+    def _worker_gone(self, rank: int, starting: bool):
+        """Die for a worker that exited (or closed its pipe) without sending an error."""
+        proc = self._procs[rank]
+        proc.join(timeout=2)
+        when = " while starting" if starting else ""
+        hint = f"\n{_GUARD_HINT}" if starting else ""
+        self._die(f"worker rank {rank} exited{when} with code {proc.exitcode} (its stderr has the details).{hint}")
+
+    def _die(self, reason: str):
+        """Mark the engine dead, stop every worker and the engine loop, raise `EngineDeadError`."""
+        err = _engine_dead_error()(f"tensor/pipeline-parallel engine stopped: {reason}")
+        logger.error("%s", err)
+        self._dead = err
+        self._terminate()
+        llm = self._llm_ref()
+        loop = getattr(llm, "_loop", None) if llm is not None else None
+        if loop is not None:  # later submissions fail at once, with this error
+            loop.error = err
+            loop.inbox.put(("stop", None))
+        raise err
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def _terminate(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def shutdown(self) -> None:
+        """Ask the workers to stop, then terminate any that do not within 10 s; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        stop = pickle.dumps(None)
+        for conn in getattr(self, "_plan_conns", self._conns):
+            try:
+                conn.send_bytes(stop)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 10
+        for p in self._procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._terminate()
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+
+
+def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                   max_batch_size: int = 256, max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
+                   kv_cache_config: Optional[KvCacheConfig] = None, device: str = "auto", dtype: str = "auto",
+                   group: Optional[LwsGroup] = None) -> int:
+    """Run this pod's ranks of a LeaderWorkerSet group until the leader stops; returns an exit status.
+
+    ``kvpilot serve`` calls this instead of building an `LLM` when ``LWS_WORKER_INDEX`` > 0. The
+    arguments must equal the leader's (the operator renders the same command for every pod).
+
+    Raises:
+        ValueError: not in a LeaderWorkerSet group (or in it as the leader), or a bad layout.
+    """
+    group = group or LwsGroup.from_env()
+    if group is None or group.index == 0:
+        raise ValueError("run_lws_worker runs on LeaderWorkerSet workers (LWS_GROUP_SIZE > 1, LWS_WORKER_INDEX > 0)")
+    model_dir = Path(model)
+    cfg = ModelConfig.from_dir(model_dir)
+    spec = make_worker_spec(model_dir, cfg, kv_cache_config or KvCacheConfig(), max_num_tokens, max_batch_size,
+                            int(max_seq_len or cfg.max_position_embeddings), device, dtype, tensor_parallel_size,
+                            pipeline_parallel_size, group)
+    first = group.index * spec.ranks_per_node
+    procs, _ = _start_ranks(spec, range(first, first + spec.ranks_per_node), with_pipes=False)
+    logger.info("LeaderWorkerSet worker %d: ranks %d..%d started", group.index, first, first + len(procs) - 1)
+    status = 0
+    pending = {p.sentinel: p for p in procs}
+    while pending:
+        for s in mp_wait(list(pending)):
+            p = pending.pop(s)
+            if p.exitcode:
+                logger.error("rank process %s exited with code %s; stopping this pod's ranks", p.name, p.exitcode)
+                status = 1
+                for q in pending.values():
+                    q.terminate()
+    return status

@@ -1,0 +1,328 @@
+"""The worker side of tensor x pipeline parallelism: one process per rank, each a model shard.
+
+Rank layout (Megatron-LM / vLLM order): ``rank = pp_rank * tp_size + tp_rank``, so the ranks of one
+pipeline stage are consecutive and, on a multi-GPU node, share the node's fastest links. Each rank
+runs a `StageRunner` (a `ModelRunner` holding only its stage's layers and its tensor-parallel
+shard of them) and, every step, the same plan (``list[ScheduledSeq]``) as every other rank.
+
+Pipeline stages exchange ``(hidden, residual)`` of shape ``[2, num_tokens, hidden_size]`` with
+``torch.distributed`` point-to-point sends between equal tensor-parallel ranks of neighbouring
+stages. A step's plan is cut into up to ``pp_size`` micro-batches of whole sequences, so stage 0
+computes micro-batch 1 while stage 1 computes micro-batch 0 (GPipe-style filling within a step).
+
+Only the output rank (tensor-parallel rank 0 of the last stage) returns logits to the front end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import KvCacheConfig, ModelConfig
+from .llama import ParallelContext
+from .model_runner import ModelRunner, ScheduledSeq
+
+logger = logging.getLogger(__name__)
+
+# Messages on the front-end <-> worker pipe (pickled tuples; logits travel as raw bytes after a header).
+MSG_READY = "ready"
+MSG_OK = "ok"
+MSG_ERROR = "error"
+
+
+def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` layer ranges of the pipeline stages; earlier stages take the remainder.
+
+    5 layers over 2 stages -> ``[(0, 3), (3, 5)]``.
+
+    Raises:
+        ValueError: more stages than layers.
+    """
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    out, start = [], 0
+    for s in range(pp_size):
+        end = start + base + (1 if s < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def split_microbatches(plan: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
+    """Cut ``plan`` into at most ``parts`` contiguous, non-empty runs of sequences with balanced token counts.
+
+    Contiguity keeps the logits rows in plan order when the micro-batches' outputs are concatenated.
+    """
+    if parts <= 1 or len(plan) <= 1:
+        return [plan]
+    parts = min(parts, len(plan))
+    total = sum(len(s.token_ids) for s in plan)
+    out: list[list[ScheduledSeq]] = [[]]
+    done = 0
+    for i, s in enumerate(plan):
+        left_seqs = len(plan) - i
+        left_parts = parts - len(out)
+        # Close the current micro-batch once it holds its share, keeping one sequence per remaining part.
+        if out[-1] and left_parts > 0 and (done >= total * len(out) / parts or left_seqs <= left_parts):
+            out.append([])
+        out[-1].append(s)
+        done += len(s.token_ids)
+    return out
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs to build its shard (plain, picklable data)."""
+
+    model_dir: str
+    cfg: ModelConfig
+    kv_config: KvCacheConfig
+    max_num_tokens: int
+    max_batch_size: int
+    max_seq_len: int
+    device: str  # "cpu" or "cuda" (each rank then takes cuda:<local rank>)
+    dtype: str
+    tp_size: int
+    pp_size: int
+    init_method: str  # tcp://host:port of the rendezvous
+    ranks_per_node: int  # world size on one node (== world size unless a LeaderWorkerSet group)
+    multi_node: bool  # plans reach non-leader ranks by broadcast, logits return through rank 0
+    timeout_s: float
+    microbatching: bool = True
+    log_level: int = logging.WARNING
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+class StageRunner(ModelRunner):
+    """A `ModelRunner` for one pipeline stage's layers and one tensor-parallel shard of them.
+
+    The base class's profiling pass feeds token ids; a stage after the first takes activations
+    instead, so `_forward` gives it zeros of the right shape when it has none.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The base runner captures decode graphs only without tensor parallelism. Every TP rank
+        # builds its runner at the same time, so all capture the same graphs, NCCL calls included;
+        # a failed capture fails the worker (and so the engine) rather than leaving peers waiting.
+        from .model_runner import cuda_graphs_enabled
+
+        if (self.graphs is None and self.device.type == "cuda" and self.model.is_first and self.model.is_last
+                and cuda_graphs_enabled() and os.environ.get("KVPILOT_TP_CUDA_GRAPHS", "1") != "0"):
+            from .cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self)
+            self.graphs.capture()
+            logger.info("captured tensor-parallel decode CUDA graphs")
+
+    def _forward(self, ids, pos, meta, caches, hidden=None, residual=None):
+        if hidden is None and not self.model.is_first:
+            shape = (ids.shape[0], self.cfg.hidden_size)
+            hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            residual = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return super()._forward(ids, pos, meta, caches, hidden, residual)
+
+
+class Worker:
+    """One rank: process groups, its `StageRunner`, and the per-step stage computation."""
+
+    def __init__(self, rank: int, spec: WorkerSpec) -> None:
+        self.rank = rank
+        self.spec = spec
+        self.pp_rank, self.tp_rank = divmod(rank, spec.tp_size)
+        self.local_rank = rank % spec.ranks_per_node
+        on_gpu = spec.device.startswith("cuda")
+        if on_gpu:
+            torch.cuda.set_device(self.local_rank)
+            self.device = f"cuda:{self.local_rank}"
+        else:
+            self.device = "cpu"
+            if "OMP_NUM_THREADS" not in os.environ:
+                # Ranks share the host's cores; oversubscribed intra-op threads slow each collective ~5x.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
+        backend = "nccl" if on_gpu else "gloo"
+        timeout = timedelta(seconds=spec.timeout_s)
+        dist.init_process_group(backend, init_method=spec.init_method, rank=rank, world_size=spec.world_size,
+                                timeout=timeout)
+        # Every rank must create every group, in the same order.
+        tp_group = None
+        if spec.tp_size > 1:
+            for s in range(spec.pp_size):
+                g = dist.new_group(list(range(s * spec.tp_size, (s + 1) * spec.tp_size)))
+                if s == self.pp_rank:
+                    tp_group = g
+        self.ctrl_group = dist.new_group(backend="gloo", timeout=timeout) if (spec.multi_node and on_gpu) else None
+        pc = ParallelContext(self.tp_rank, spec.tp_size, tp_group)
+        layer_range = stage_layers(spec.cfg.num_hidden_layers, spec.pp_size)[self.pp_rank]
+        self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
+                                  spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
+                                  pc=pc, layer_range=layer_range)
+        # One pool size for all ranks: the smallest (block ids index every rank's cache).
+        nb = torch.tensor([self.runner.num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(nb, op=dist.ReduceOp.MIN)
+        self.num_blocks = int(nb.item())
+        self.runner.num_blocks = self.num_blocks
+        self.is_first = self.pp_rank == 0
+        self.is_last = self.pp_rank == spec.pp_size - 1
+        self.is_output = self.is_last and self.tp_rank == 0
+        # On one GPU node the output rank shares a logits buffer with the front end (CUDA IPC), so
+        # a step's [rows, vocab] float32 logits never cross a pipe or the host.
+        self.logits_buf = None
+        if on_gpu and self.is_output and not spec.multi_node and os.environ.get("KVPILOT_LOGITS_IPC", "1") != "0":
+            self.logits_buf = torch.empty((spec.max_batch_size, spec.cfg.vocab_size), dtype=torch.float32,
+                                          device=self.device)
+        logger.info("rank %d (pp %d, tp %d): layers %s, %d KV blocks", rank, self.pp_rank, self.tp_rank,
+                    layer_range, self.num_blocks)
+
+    @property
+    def ctrl(self):
+        """The group that carries plans and logits between nodes (gloo, so CPU objects work)."""
+        return self.ctrl_group
+
+    @torch.inference_mode()
+    def execute(self, plan: list[ScheduledSeq]) -> Optional[tuple[torch.Tensor, list[int]]]:
+        """Run this rank's share of one step; the last stage returns (logits [R, V] float32, row indices)."""
+        spec = self.spec
+        if spec.pp_size == 1:
+            return self.runner.execute(plan)  # the base runner's path (CUDA graphs where it has them)
+        runner = self.runner
+        mbs = split_microbatches(plan, spec.pp_size if spec.microbatching else 1)
+        prev_rank = self.rank - spec.tp_size
+        next_rank = self.rank + spec.tp_size
+        sends, logits, rows = [], [], []
+        offset = 0
+        for mb in mbs:
+            ids, pos, meta, sample_idx = runner.prepare(mb)
+            n = ids.shape[0]
+            hidden = residual = None
+            if not self.is_first:
+                buf = torch.empty((2, n, spec.cfg.hidden_size), dtype=runner.dtype, device=runner.device)
+                dist.recv(buf, src=prev_rank)
+                hidden, residual = buf[0], buf[1]
+            out = runner._forward(ids, pos, meta, runner.kv_caches, hidden, residual)
+            if not self.is_last:
+                buf = torch.stack(out)
+                sends.append((dist.isend(buf, dst=next_rank), buf))
+            elif sample_idx:
+                logits.append(runner.model.compute_logits(out[torch.tensor(sample_idx, device=runner.device)]))
+                rows.extend(offset + i for i in sample_idx)
+            offset += n
+        for work, _buf in sends:
+            work.wait()
+        if not self.is_last:
+            return None
+        if not logits:
+            return torch.empty(0, spec.cfg.vocab_size, device=runner.device), []
+        return torch.cat(logits), rows
+
+
+def _send_logits(conn, logits: torch.Tensor, rows: list[int], ipc_buf: Optional[torch.Tensor] = None) -> None:
+    if ipc_buf is not None and logits.shape[0] <= ipc_buf.shape[0]:
+        ipc_buf[:logits.shape[0]].copy_(logits)
+        torch.cuda.current_stream().synchronize()  # the front end reads it from another process
+        conn.send((MSG_OK, tuple(logits.shape), rows, True))
+        return
+    arr = logits.detach().float().contiguous().cpu().numpy()
+    conn.send((MSG_OK, tuple(arr.shape), rows, False))
+    conn.send_bytes(memoryview(arr).cast("B"))
+
+
+def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
+    """Process entry point of one rank: build the shard, then serve steps until told to stop.
+
+    Protocol on ``conn`` (a `multiprocessing` pipe end): the worker sends ``("ready", num_blocks,
+    ipc)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
+    None); the front end sends pickled ``("step", plan, use_ipc)`` or ``None`` (stop) as bytes; the
+    output rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not
+    ``in_buffer``, by the float32 logits as raw bytes.
+    Any exception is sent as ``("error", rank, traceback_text)`` and ends the process with status 1.
+    In a multi-node group only rank 0 talks to the front end; the other ranks get plans by broadcast
+    and send logits to rank 0 (``conn`` is None on ranks of other nodes).
+    """
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    worker = None
+    try:
+        worker = Worker(rank, spec)
+        if conn is not None:
+            ipc = None
+            if worker.logits_buf is not None:
+                from torch.multiprocessing.reductions import reduce_tensor
+
+                ipc = reduce_tensor(worker.logits_buf)
+            conn.send((MSG_READY, worker.num_blocks, ipc))
+        _serve(worker, conn)
+    except BaseException as e:  # noqa: BLE001 - report anything, including KeyboardInterrupt, then exit
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        logger.error("rank %d failed: %s", rank, text)
+        if conn is not None:
+            try:
+                conn.send((MSG_ERROR, rank, text))
+            except (OSError, ValueError):
+                pass
+        os._exit(1)  # skip interpreter teardown: peers may be stuck in collectives with us
+    finally:
+        if conn is not None:
+            conn.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            pass
+
+
+def _serve(worker: Worker, conn) -> None:
+    spec = worker.spec
+    rank = worker.rank
+    output_rank = (spec.pp_size - 1) * spec.tp_size
+    while True:
+        if spec.multi_node:
+            obj = [None]
+            if rank == 0:
+                try:
+                    obj = [pickle.loads(conn.recv_bytes())]
+                except EOFError:
+                    pass  # the front end is gone: broadcast the stop
+            group = worker.ctrl
+            dist.broadcast_object_list(obj, src=0, group=group)
+            msg = obj[0]
+        else:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                return  # the front end is gone
+        if msg is None:
+            return
+        _kind, plan, use_ipc = msg
+        result = worker.execute(plan)
+        if not spec.multi_node or output_rank == 0:
+            if worker.is_output:
+                _send_logits(conn, *result, worker.logits_buf if use_ipc else None)
+            continue
+        # Multi-node: the output rank may live on another node; rank 0 relays its logits.
+        if worker.is_output:
+            logits, rows = result
+            header = [tuple(logits.shape), rows]
+            dist.send_object_list(header, dst=0, group=worker.ctrl)
+            dist.send(logits.float().cpu().contiguous() if worker.ctrl is not None else logits.float().contiguous(),
+                      dst=0, group=worker.ctrl)
+        elif rank == 0:
+            header = [None, None]
+            dist.recv_object_list(header, src=output_rank, group=worker.ctrl)
+            shape, rows = header
+            dev = "cpu" if worker.ctrl is not None else worker.device
+            logits = torch.empty(shape, dtype=torch.float32, device=dev)
+            dist.recv(logits, src=output_rank, group=worker.ctrl)
+            _send_logits(conn, logits, rows)

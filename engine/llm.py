@@ -326,6 +326,10 @@ class EngineLoop:
                 if self.core.has_work:
                     try:
                         self._report(self.core.step())
+                    except EngineDeadError as e:  # a worker died: nothing can be served any more
+                        self.error = e
+                        logger.error("engine stopped: %s", e)
+                        break
                     except Exception as e:  # a bug or device error: fail what is in flight, keep serving
                         logger.exception("engine step failed")
                         self.core.fail_all(e)
@@ -337,7 +341,7 @@ class EngineLoop:
             logger.exception("engine loop died")
         finally:
             self._stopped.set()
-            self.core.fail_all(EngineDeadError("the engine was shut down"))
+            self.core.fail_all(self.error or EngineDeadError("the engine was shut down"))
             self.core.flush_outputs()
             while True:
                 try:

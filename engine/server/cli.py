@@ -54,16 +54,21 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
 
 
-def build_engine(args: argparse.Namespace) -> Any:
-    """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
-    from .. import LLM, KvCacheConfig
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from .. import KvCacheConfig
 
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
                        enable_block_reuse=not args.no_prefix_caching, tokens_per_block=args.tokens_per_block)
-    return LLM(args.model, tokenizer=args.tokenizer, tensor_parallel_size=args.tensor_parallel_size,
-               pipeline_parallel_size=args.pipeline_parallel_size, max_batch_size=args.max_batch_size,
-               max_num_tokens=args.max_num_tokens, max_seq_len=args.max_seq_len, kv_cache_config=kv,
-               device=args.device, dtype=args.dtype)
+    return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
+    from .. import LLM
+
+    return LLM(args.model, tokenizer=args.tokenizer, **_engine_kwargs(args))
 
 
 class DrainingServer(uvicorn.Server):
@@ -112,7 +117,16 @@ class DrainingServer(uvicorn.Server):
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until drained; returns 0, or 1 if the model failed to load."""
+    """Serve until drained; returns 0, or 1 if the model failed to load.
+
+    On a LeaderWorkerSet worker pod (``LWS_WORKER_INDEX`` > 0) there is no HTTP server: the pod
+    runs its share of the engine's ranks until the leader stops (`kvpilot.parallel.run_lws_worker`).
+    """
+    from ..parallel import LwsGroup, run_lws_worker
+
+    group = LwsGroup.from_env()
+    if group is not None and group.index > 0:
+        return run_lws_worker(args.model, group=group, **_engine_kwargs(args))
     try:
         template = load_chat_template(args.chat_template)
     except (FileNotFoundError, OSError) as exc:

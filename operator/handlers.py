@@ -11,17 +11,11 @@ What triggers what:
   kvpilot-operator``): :func:`workload_changed` recomputes the owner's status (ready replicas,
   conditions) and patches ``/status`` only if it changed.
 
-Plugging in the autoscaler (operator/autoscaler.py ``decide``, operator/scrape.py): add a timer
-here, e.g. ``@kopf.timer(GROUP, VERSION, PLURAL, interval=..., when=autoscaling_enabled)``, that
-scrapes the pods matching ``status.selector`` (list them with ``memo.kube.list("Pod", ns,
-serving_selector(cr))``: the label filter is applied in code too), calls ``decide(...)``, and
-when the decision differs writes, in this order, (1) ``status.desiredReplicas`` via
-``memo.kube.merge_patch(KIND, ns, name, {"status": {...}}, subresource="status")`` and (2) the
-child's ``spec.replicas`` via ``memo.kube.merge_patch(workload_kind(cr), ns, name, {"spec":
-{"replicas": n}})``. render() already takes replicas from ``status.desiredReplicas`` (clamped to
-min/max) when autoscaling is on, so a later reconcile re-applies the same number instead of
-fighting the autoscaler. Its own conditions (e.g. ``MetricsAvailable``) can be written with
-``status.merge_conditions``; :func:`desired_status` keeps condition types it does not own.
+Autoscaling lives in operator/autoscale_daemon.py: a kopf daemon per LLMDeployment with
+``autoscaling.enabled`` scrapes the Ready pods, calls the pure ``autoscaler.decide(...)``, and writes
+``status.desiredReplicas`` (and the windows' history) before the child's ``spec.replicas``. render()
+takes replicas from ``status.desiredReplicas`` (clamped to min/max) when autoscaling is on, so a
+later reconcile re-applies the same number instead of fighting the autoscaler.
 """
 
 from __future__ import annotations
@@ -37,6 +31,8 @@ from . import apply as kube
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import LWS_API_VERSION, MANAGED_BY, render, workload_kind
 from .status import desired_status, now_rfc3339, status_patch
+# Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
+from . import autoscale_daemon  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

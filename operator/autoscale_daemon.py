@@ -1,0 +1,176 @@
+"""The autoscaling loop: one kopf daemon per LLMDeployment with ``spec.autoscaling.enabled``.
+
+Every ``scrapeIntervalSeconds`` it reads the CR and its workload, scrapes the Ready engine pods
+(operator/scrape.py), calls the pure ``decide()`` (operator/autoscaler.py) and writes, in this
+order:
+
+1. before lowering replicas, ``controller.kubernetes.io/pod-deletion-cost`` on every pod that
+   answered (its requests in flight), so the ReplicaSet removes the least-loaded pods;
+2. the CR status: ``desiredReplicas``, ``kvCacheUtilization``, ``queueLength``,
+   ``lastScaleTime``, the window history (``status.autoscaling``) and the conditions
+   ``ScalingActive``, ``ScalingLimited``, ``MetricsAvailable``;
+3. the child workload's ``spec.replicas``, and a ``SuccessfulRescale`` Event with the numbers.
+
+The user's ``spec`` is never written. render() takes replicas from ``status.desiredReplicas``
+while autoscaling is on, so a later reconcile re-applies the same count. When autoscaling is
+switched off, kopf stops the daemon (its ``when`` filter) and it sets ``ScalingActive=False``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+import time
+import uuid
+from typing import Any
+
+import httpx
+import kopf
+
+from . import apply as kube
+from .autoscaler import Decision, ScalingHistory, ScalingPolicy, decide, deletion_costs
+from .crd import GROUP, KIND, PLURAL, VERSION, normalize
+from .render import serving_selector, workload_kind
+from .scrape import scrape_workload_pods
+from .status import merge_conditions
+
+logger = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+HISTORY_KEY = "autoscaling"  # status.autoscaling: {"recommendations": [...]}
+DEFAULT_INTERVAL_S = 15.0
+EVENT_SOURCE = "kvpilot-operator"
+MAX_SCRAPE_TIMEOUT_S = 2.0
+
+
+def rfc3339(t: float) -> str:
+    """Unix seconds as a Kubernetes timestamp (UTC, seconds, trailing ``Z``)."""
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def autoscaling_status(decision: Decision, old_status: dict[str, Any], now: float) -> dict[str, Any]:
+    """The status keys the autoscaler owns, for a merge patch of ``/status``.
+
+    ``kvCacheUtilization`` (mean over the pods that answered, 0..1, 4 decimals) and
+    ``queueLength`` (total waiting requests) become ``None`` (deleted by the merge patch) when no
+    pod answered, so no stale number is shown. ``lastScaleTime`` moves only when the count changes.
+    """
+    util = None if decision.utilization is None else round(decision.utilization, 4)
+    status: dict[str, Any] = {
+        "desiredReplicas": decision.desired_replicas,
+        "kvCacheUtilization": util,
+        "queueLength": decision.queue_length,
+        HISTORY_KEY: decision.history.to_dict(),
+        "conditions": merge_conditions(old_status.get("conditions") or [], decision.conditions(), rfc3339(now)),
+    }
+    if decision.scaled:
+        status["lastScaleTime"] = rfc3339(now)
+    return status
+
+
+def autoscaling_enabled(spec: Any, **_: Any) -> bool:
+    """kopf ``when`` filter: the CR asks for autoscaling."""
+    return bool(((spec or {}).get("autoscaling") or {}).get("enabled"))
+
+
+async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, http: httpx.AsyncClient,
+                         now: float | None = None) -> tuple[float, Decision | None]:
+    """One scrape-decide-write round for one LLMDeployment.
+
+    Returns:
+        (seconds until the next round, the decision or None when there was nothing to decide:
+        the CR is gone, invalid, not autoscaled, or its workload does not exist yet).
+    """
+    cr = await asyncio.to_thread(client.get, KIND, namespace, name)
+    if cr is None:
+        return DEFAULT_INTERVAL_S, None
+    try:
+        cr = normalize(cr)
+        auto = cr["spec"]["autoscaling"]
+        policy = ScalingPolicy.from_spec(auto, cr["spec"].get("replicas"))
+    except ValueError as exc:  # reconcile reports invalid specs
+        logger.warning("%s/%s: not autoscaling: %s", namespace, name, exc)
+        return DEFAULT_INTERVAL_S, None
+    interval = policy.scrape_interval_s
+    if not auto.get("enabled"):
+        return interval, None
+    kind = workload_kind(cr)
+    child = await asyncio.to_thread(client.get, kind, namespace, name)
+    if child is None:
+        return interval, None
+    current = int((child.get("spec") or {}).get("replicas", 1))
+    pods = await asyncio.to_thread(client.list, "Pod", namespace, serving_selector(cr))
+    samples = await scrape_workload_pods(pods, timeout_s=min(MAX_SCRAPE_TIMEOUT_S, 0.8 * interval), client=http)
+    old_status = cr.get("status") or {}
+    try:
+        history = ScalingHistory.from_dict(old_status.get(HISTORY_KEY))
+    except ValueError as exc:
+        logger.warning("%s/%s: starting a new scaling history: %s", namespace, name, exc)
+        history = ScalingHistory()
+    now = time.time() if now is None else now
+    decision = decide(samples, current, policy, history, now)
+
+    if decision.desired_replicas < current and kind == "Deployment":
+        for pod, cost in deletion_costs(samples).items():
+            await asyncio.to_thread(client.merge_patch, "Pod", namespace, pod,
+                                    {"metadata": {"annotations": {DELETION_COST: str(cost)}}})
+    await asyncio.to_thread(client.merge_patch, KIND, namespace, name,
+                            {"status": autoscaling_status(decision, old_status, now)}, subresource="status")
+    if decision.scaled:
+        await asyncio.to_thread(client.merge_patch, kind, namespace, name,
+                                {"spec": {"replicas": decision.desired_replicas}})
+        logger.info("%s/%s: %s", namespace, name, decision.message)
+        event = rescale_event(cr, decision, now)
+        await asyncio.to_thread(client.request, "POST", kube.resource_path("v1", "events", namespace), event)
+    return interval, decision
+
+
+def rescale_event(cr: dict[str, Any], decision: Decision, now: float) -> dict[str, Any]:
+    """A core/v1 Event on the CR with the numbers behind a rescale, as the HPA words it
+    (reason ``SuccessfulRescale``, message ``New size: N; ...``).
+
+    Named ``{cr name}.{random hex}`` as kubectl-visible events are; set here rather than through
+    ``generateName`` so that API emulators without it accept it too.
+    """
+    meta = cr["metadata"]
+    stamp = rfc3339(now)
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace") or "default"},
+        "involvedObject": {"apiVersion": cr["apiVersion"], "kind": cr["kind"], "name": meta["name"],
+                           "namespace": meta.get("namespace") or "default", "uid": meta.get("uid")},
+        "type": "Normal", "reason": "SuccessfulRescale",
+        "message": f"New size: {decision.desired_replicas}; {decision.message}",
+        "source": {"component": EVENT_SOURCE}, "reportingComponent": EVENT_SOURCE,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=autoscaling_enabled, cancellation_timeout=10.0)
+async def autoscaler(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                     **_: Any) -> None:
+    """Run :func:`autoscale_once` every ``scrapeIntervalSeconds`` until kopf stops the daemon."""
+    client: kube.KubeClient = memo.kube
+    async with httpx.AsyncClient() as http:
+        while not stopped:
+            interval = DEFAULT_INTERVAL_S
+            try:
+                interval, _decision = await autoscale_once(client, namespace, name, http)
+            except (kube.ApiError, httpx.HTTPError, OSError) as exc:
+                logger.warning("%s/%s: autoscaling round failed: %s", namespace, name, exc)
+            await stopped.wait(interval)
+    if stopped.reason is not None and stopped.reason & kopf.DaemonStoppingReason.FILTERS_MISMATCH:
+        await asyncio.to_thread(_mark_disabled, client, namespace, name)
+
+
+def _mark_disabled(client: kube.KubeClient, namespace: str, name: str) -> None:
+    cr = client.get(KIND, namespace, name)
+    if cr is None:
+        return
+    old = (cr.get("status") or {}).get("conditions") or []
+    cond = {"type": "ScalingActive", "status": "False", "reason": "ScalingDisabled",
+            "message": "spec.autoscaling.enabled is false; spec.replicas rules"}
+    client.merge_patch(KIND, namespace, name, {"status": {
+        "conditions": merge_conditions(old, [cond], rfc3339(time.time())), HISTORY_KEY: None,
+        "kvCacheUtilization": None, "queueLength": None}}, subresource="status")

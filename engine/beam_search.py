@@ -113,7 +113,7 @@ class BeamSearch:
         m = req.output.metrics
         if m.first_token_time is None:
             m.first_token_time = time.monotonic()
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(core.eos_token_ids))
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else core._end_ids(p))
         lp = torch.log_softmax(logits.float(), dim=-1)
         if any(r.needs_processing for r in rows):
             lp = apply_penalties_and_masks(lp, rows)
@@ -208,7 +208,10 @@ class BeamSearch:
         for i, h in enumerate(best):
             text = ""
             if tok is not None and p.detokenize:
-                text = tok.decode(h.token_ids, skip_special_tokens=p.skip_special_tokens)
+                # Decoded after the prompt's last tokens, so a leading space survives.
+                context = req.prompt_token_ids[-4:]
+                before = tok.decode(context, skip_special_tokens=p.skip_special_tokens)
+                text = tok.decode(context + list(h.token_ids), skip_special_tokens=p.skip_special_tokens)[len(before):]
             stop_reason = h.token_ids[-1] if (h.finish_reason == "stop" and h.token_ids[-1] in p.stop_token_ids) else None
             deltas.append(SequenceDelta(index=i, new_token_ids=list(h.token_ids), new_text=text,
                                         cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason,

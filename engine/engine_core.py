@@ -79,12 +79,14 @@ class EngineCore:
         if req is None:
             return
         req.aborted = True
-        deltas = []
+        # With best_of or beams, sequences are candidates, not choices: no choice has been sent yet.
+        whole = req.params.num_candidates > req.params.n or req.params.use_beam_search
+        open_choices = range(req.params.n) if whole else [s.index for s in req.seqs if not s.is_finished]
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
-                deltas.append(SequenceDelta(seq.index, [], "", finish_reason="abort"))
+        deltas = [SequenceDelta(i, [], "", finish_reason="abort") for i in open_choices]
         self._finish_request(req, deltas, error=RequestAborted(f"request {request_id} was aborted"))
 
     def fail_all(self, error: BaseException) -> None:
@@ -195,7 +197,7 @@ class EngineCore:
         out_len = seq.num_output_tokens
         banned = list(p.bad_token_ids)
         if out_len < p.min_tokens:
-            banned += list(self.eos_token_ids) + list(p.stop_token_ids)
+            banned += list(self._end_ids(p)) + list(p.stop_token_ids)
         want_lp = p.logprobs
         if want_lp is None and (p.num_candidates > p.n):
             want_lp = 0  # best_of needs each token's log-probability
@@ -220,6 +222,10 @@ class EngineCore:
         elif stop > have:
             kept.append(logits[have - start:stop - start].float().cpu())
 
+    def _end_ids(self, p) -> set[int]:
+        """End-of-sequence ids of a request: TensorRT-LLM's ``end_id`` when given, else the model's."""
+        return {p.end_id} if p.end_id is not None else self.eos_token_ids
+
     def _prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         req = seq.request
         k = seq.params.prompt_logprobs
@@ -235,9 +241,11 @@ class EngineCore:
             if pos < len(acc):  # recomputed after a preemption: already collected
                 continue
             tok = req.prompt_token_ids[pos]
-            entry = {int(t): Logprob(float(v), r + 1) for r, (t, v) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist()))}
+            context = req.prompt_token_ids[max(0, pos - 4):pos]
+            entry = {int(t): Logprob(float(v), r + 1, self._piece(int(t), context))
+                     for r, (t, v) in enumerate(zip(top_ids[j].tolist(), top_vals[j].tolist()))}
             chosen = float(lps[j, tok])
-            entry.setdefault(tok, Logprob(chosen, int((lps[j] > chosen).sum()) + 1))
+            entry.setdefault(tok, Logprob(chosen, int((lps[j] > chosen).sum()) + 1, self._piece(tok, context)))
             acc.append(entry)
 
     def _append_token(self, seq: Sequence, token: int, logprob, top, logits_row) -> Optional[SequenceDelta]:
@@ -259,7 +267,7 @@ class EngineCore:
         stopped_by_token = False
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", token, True
-        elif not p.ignore_eos and token in self.eos_token_ids:
+        elif not p.ignore_eos and token in self._end_ids(p):
             seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", None, True
         if self.tokenizer is not None and p.detokenize and (not stopped_by_token or p.include_stop_str_in_output):
             new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens)
@@ -330,6 +338,8 @@ class EngineCore:
         gpu_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         return IterationStats(
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
+            # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out
+            # into n child requests; that is also the load the autoscaler should see.
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache=KvCacheStats(
                 max_num_blocks=kv.num_blocks, free_num_blocks=kv.num_free_blocks, used_num_blocks=kv.num_used_blocks,

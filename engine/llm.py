@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -116,9 +117,11 @@ class LLM:
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
     def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool) -> Request:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
+        if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        # A private, re-validated copy: fields changed after construction are checked again, and the
+        # caller's object (often shared by many requests) is never written to.
+        params = dataclasses.replace(params) if params is not None else SamplingParams()
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
@@ -173,9 +176,12 @@ class LLM:
         Returns:
             A `RequestOutput` for a single prompt, else a list of them.
         """
-        single = isinstance(inputs, str) or (isinstance(inputs, list) and inputs != [] and all(
+        if not isinstance(inputs, (str, list, tuple)):
+            raise TypeError(f"inputs must be a string, a list of token ids, or a list of those, "
+                            f"got {type(inputs).__name__}")
+        single = isinstance(inputs, str) or (inputs != [] and all(
             isinstance(t, int) and not isinstance(t, bool) for t in inputs))
-        prompts = [inputs] if single else list(inputs)
+        prompts = [list(inputs) if not isinstance(inputs, str) else inputs] if single else list(inputs)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -253,15 +259,18 @@ class EngineLoop:
         self._stats_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
         self._stopped = threading.Event()
+        self._submit_lock = threading.Lock()
         self.error: Optional[BaseException] = None
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, req: Request) -> None:
-        if self._stopped.is_set():
-            raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
-        self.inbox.put(("add", req))
+        # Under the lock, so that a request can never slip in after the loop's final drain.
+        with self._submit_lock:
+            if self._stopped.is_set():
+                raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+            self.inbox.put(("add", req))
 
     def abort(self, request_id: int) -> None:
         self.inbox.put(("abort", request_id))
@@ -340,7 +349,8 @@ class EngineLoop:
             self.error = e
             logger.exception("engine loop died")
         finally:
-            self._stopped.set()
+            with self._submit_lock:
+                self._stopped.set()
             self.core.fail_all(self.error or EngineDeadError("the engine was shut down"))
             self.core.flush_outputs()
             while True:

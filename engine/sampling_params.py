@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 
+MAX_N = 128  # OpenAI's limit on `n`; also bounds `best_of` (sequences one request may hold)
+
+
 @dataclass
 class SamplingParams:
     """Decoding settings of one request.
@@ -32,7 +35,11 @@ class SamplingParams:
     Log-probabilities: ``logprobs`` (top-N per generated token plus the chosen one, from the
     unmodified distribution), ``prompt_logprobs``.
     Output: ``detokenize``, ``skip_special_tokens``, ``return_context_logits``,
-    ``return_generation_logits``.
+    ``return_generation_logits``. ``spaces_between_special_tokens`` is accepted for vLLM
+    compatibility; the Hugging Face fast tokenizers kvpilot loads decide that spacing themselves
+    (as in vLLM's fast detokenizer).
+    TensorRT-LLM's ids: ``end_id`` replaces the model's end-of-sequence ids for this request;
+    ``pad_id`` has no effect (batches are ragged, never padded).
 
     Raises:
         ValueError: a value outside its allowed range (the message names the field and the range).
@@ -78,9 +85,9 @@ class SamplingParams:
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check_int("n", self.n, low=1)
+        _check_int("n", self.n, low=1, high=MAX_N)
         if self.best_of is not None:
-            _check_int("best_of", self.best_of, low=1)
+            _check_int("best_of", self.best_of, low=1, high=MAX_N)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_float("temperature", self.temperature, low=0.0)
@@ -95,6 +102,8 @@ class SamplingParams:
             _check_int("seed", self.seed)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise TypeError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
         self.stop = list(self.stop or [])
         for s in self.stop:
             if not isinstance(s, str) or not s:
@@ -106,15 +115,18 @@ class SamplingParams:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty when given")
         if self.bad_words is not None:
-            if isinstance(self.bad_words, str) or not all(isinstance(w, str) and w for w in self.bad_words):
-                raise TypeError("bad_words must be a list of non-empty strings")
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words):
+                raise TypeError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+            self.bad_words = list(self.bad_words)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError("logit_bias must be a dict {token_id: bias}")
             bias = {}
             for k, v in self.logit_bias.items():
-                try:
+                try:  # JSON gives string keys ("50256"); anything but an integral value is an error
                     tok = int(k)
+                    if isinstance(k, bool) or (isinstance(k, float) and k != tok):
+                        raise ValueError
                 except (TypeError, ValueError):
                     raise TypeError(f"logit_bias keys must be token ids, got {k!r}") from None
                 _check_float(f"logit_bias[{tok}]", v, low=-100.0, high=100.0)
@@ -127,8 +139,11 @@ class SamplingParams:
                 setattr(self, name, value)
             if value is not None:
                 _check_int(name, value, low=0, high=20)
-        if self.end_id is not None:
-            _check_int("end_id", self.end_id, low=0)
+        for name in ("end_id", "pad_id"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), low=0)
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.bad_token_ids):
+            raise ValueError("allowed_token_ids and bad_token_ids leave no token that can be generated")
 
     @property
     def greedy(self) -> bool:

@@ -255,6 +255,14 @@ BAD_REQUESTS = [
      "messages[0].content", "only text"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, "model",
      "does not exist"),
+    ("/completions", b'', 400, None, "JSON"),
+    ("/completions", {"prompt": "x", "allowed_token_ids": [99999]}, 400, "allowed_token_ids", "vocabulary"),
+    ("/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids", "vocabulary"),
+    ("/completions", {"prompt": "x", "n": 1000}, 400, "n", "n must be"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                           "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                           "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
 ]
 
 

@@ -96,7 +96,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         got = err.get("input")
         msg = f"{param}: {msg}" + (f", got {got!r}" if got is not None and err.get("type") != "missing" else "")
     if err.get("type") == "missing":
-        msg = f"{param} is required"
+        msg = f"{param} is required" if param else "the request body must be a JSON object"
     return APIError(msg, param=param)
 
 

@@ -278,12 +278,38 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[StrictInt] = None
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Structured output and tool calling are not implemented: anything that asks for them is
+    # refused (400) rather than answered with free text the client did not ask for.
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
 
     @field_validator("messages")
     @classmethod
     def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must contain at least one message")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r} is not supported; only 'text' is")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_forced_tools(cls, v):
+        if v is not None and v not in ("none", "auto"):
+            raise ValueError("tool calling is not supported: tool_choice must be 'none' or 'auto'")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: Optional[list[Any]]) -> Optional[list[Any]]:
+        if v:
+            raise ValueError("tool calling is not supported: send the request without tools")
         return v
 
 

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from ..outputs import Logprob, RequestError, RequestOutput
+from ..sampling_params import SamplingParams
 from .errors import APIError
 from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
@@ -52,7 +53,12 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
         for out in outputs:
             out.abort()
         msg = str(exc)
-        raise APIError(msg, param=max_tokens_param if "max_tokens" in msg else prompt_param) from None
+        field = msg.split(" ", 1)[0]  # engine messages start with the field they are about
+        if field in SamplingParams.field_names() and field != "max_tokens":
+            param = field
+        else:
+            param = max_tokens_param if "max_tokens" in msg else prompt_param
+        raise APIError(msg, param=param) from None
     except RuntimeError as exc:  # EngineDeadError: the engine loop has stopped
         for out in outputs:
             out.abort()

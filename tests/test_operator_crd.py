@@ -106,6 +106,8 @@ BAD = [
     ("bad service type", with_spec(service={"type": "Ingress"}), "'Ingress' is not one of"),
     ("port out of range", with_spec(service={"port": 70000}), "greater than the maximum of 65535"),
     ("short startup", with_spec(startup={"timeoutSeconds": 0}), "less than the minimum of 10"),
+    ("name with capitals", {**with_spec(), "metadata": {"name": "Bad_Name"}}, "DNS-1035 label"),
+    ("name too long", {**with_spec(), "metadata": {"name": "a" * 64}}, "DNS-1035 label"),
 ]
 
 
@@ -138,7 +140,7 @@ def test_every_cel_rule_compiles_and_has_a_message():
             walk(schema["items"])
 
     walk(crd.openapi_schema())
-    assert len(rules) == 5
+    assert len(rules) == 6
     for rule in rules:
         assert rule["message"]
         crd._compile_cel(rule["rule"])

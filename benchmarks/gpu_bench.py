@@ -22,7 +22,6 @@ import argparse
 import gc
 import json
 import logging
-import math
 import os
 import statistics
 import sys

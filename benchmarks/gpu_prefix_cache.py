@@ -83,8 +83,8 @@ def main() -> None:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "prefix_cache.json").write_text(json.dumps(result, indent=1))
-    print(f"| device | prefix | cold TTFT median | cached-prefix TTFT median | speed-up |")
-    print(f"|---|---:|---:|---:|---:|")
+    print("| device | prefix | cold TTFT median | cached-prefix TTFT median | speed-up |")
+    print("|---|---:|---:|---:|---:|")
     print(f"| {result['device']} | {args.prefix_len} | {result['cold_median_s'] * 1e3:.1f} ms | "
           f"{result['warm_median_s'] * 1e3:.1f} ms | {result['speedup']:.1f}x |")
 

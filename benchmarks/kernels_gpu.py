@@ -211,7 +211,7 @@ def main() -> int:
     attention_case("mixed 1x512 chunk + 63 decodes @2048", [512] + [1] * 63, [0] + [2047] * 63, copy_gbs, rows)
     pointwise_cases(copy_gbs, rows)
 
-    print(f"\n| kernel | case | median ms | GB/s | % of copy BW | TFLOP/s | max err vs ref, abs/(1+abs(ref)) |")
+    print("\n| kernel | case | median ms | GB/s | % of copy BW | TFLOP/s | max err vs ref, abs/(1+abs(ref)) |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kernel']} | {r['case']} | {r['ms']:.4f} | {r['gbs']:.0f} | {r['pct_copy']:.0f}% | "

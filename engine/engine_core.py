@@ -9,11 +9,8 @@ talk to the loop only through a queue (add / abort) and receive `RequestUpdate`s
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import deque
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -24,7 +21,7 @@ from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, Seque
 from .beam_search import BeamSearch
 from .sampler import Sampler, SamplingRow
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Request, Sequence, SequenceStatus
+from .sequence import Request, Sequence
 from .stats import FinishedRequestStats, IterationStats, KvCacheStats
 
 logger = logging.getLogger(__name__)
@@ -250,7 +247,6 @@ class EngineCore:
 
     def _append_token(self, seq: Sequence, token: int, logprob, top, logits_row) -> Optional[SequenceDelta]:
         p = seq.params
-        req = seq.request
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob

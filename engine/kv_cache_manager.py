@@ -17,7 +17,7 @@ import hashlib
 import logging
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from .sequence import Sequence

@@ -9,7 +9,6 @@ import logging
 import queue
 import random
 import threading
-import time
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union

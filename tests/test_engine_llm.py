@@ -6,7 +6,6 @@ import asyncio
 import random
 
 import pytest
-import torch
 
 from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
 from kvpilot import LLM, KvCacheConfig, RequestOutput, SamplingParams

@@ -134,7 +134,8 @@ class EngineCore:
             start = seq.num_computed_tokens
             want_prompt_lp = ((seq.params.prompt_logprobs is not None or seq.params.return_context_logits)
                               and seq.index == 0 and start < seq.num_prompt_tokens)
-            plan.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + n], start, list(seq.block_table),
+            # The block table is passed, not copied: the executor is done with it before it changes.
+            plan.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + n], start, seq.block_table,
                                      sample=start + n == seq.num_tokens, all_logits=want_prompt_lp))
             m = seq.request.output.metrics
             if m.first_scheduled_time is None:
@@ -190,23 +191,29 @@ class EngineCore:
         return self._stats(t0, sched, num_prompt_tokens, num_generated, ttft, itl, num_context)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        """The sequence's sampler inputs: built once from its parameters, then only what changes
+        per step (the output position, the min_tokens bans, the history for penalties) is updated."""
         p = seq.params
+        row = seq.sampling_row
         out_len = seq.num_output_tokens
-        banned = list(p.bad_token_ids)
-        if out_len < p.min_tokens:
-            banned += list(self._end_ids(p)) + list(p.stop_token_ids)
-        want_lp = p.logprobs
-        if want_lp is None and (p.num_candidates > p.n):
-            want_lp = 0  # best_of needs each token's log-probability
-        return SamplingRow(
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
-            step=out_len, logprobs=want_lp, repetition_penalty=p.repetition_penalty,
-            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-            prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,
-            output_token_ids=seq.output_token_ids if (p.frequency_penalty or p.presence_penalty
-                                                       or p.repetition_penalty != 1.0 or p._bad_words_ids) else [],
-            logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids, banned_token_ids=banned,
-            bad_word_seqs=p._bad_words_ids)
+        if row is None:
+            want_lp = p.logprobs
+            if want_lp is None and p.num_candidates > p.n:
+                want_lp = 0  # best_of needs each token's log-probability
+            row = seq.sampling_row = SamplingRow(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+                logprobs=want_lp, repetition_penalty=p.repetition_penalty,
+                frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,
+                logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
+                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids)
+        row.step = out_len
+        if p.min_tokens and out_len <= p.min_tokens:
+            row.banned_token_ids = list(p.bad_token_ids) + (
+                list(self._end_ids(p)) + list(p.stop_token_ids) if out_len < p.min_tokens else [])
+        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p._bad_words_ids:
+            row.output_token_ids = seq.output_token_ids
+        return row
 
     def _keep_context_logits(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         """Keep the raw logits of prompt positions not kept yet (a recomputed prompt repeats them)."""
@@ -281,6 +288,8 @@ class EngineCore:
             self.scheduler.finish(seq)
         if p.num_candidates > p.n:
             return None  # best_of: the chosen n are sent whole when the request ends
+        if not seq.request.output.streaming and seq.finish_reason is None:
+            return None  # nobody reads intermediate chunks of a non-streaming request: one delta at the end
         return self._delta(seq)
 
     def _delta(self, seq: Sequence, replace_index: Optional[int] = None) -> SequenceDelta:

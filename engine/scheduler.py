@@ -63,10 +63,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_tokens
+        block_size = self.kv.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if len(seq.block_table) * block_size >= seq.num_computed_tokens + n:  # fits its blocks already
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+                continue
             while not self.kv.can_allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .outputs import Logprob, RequestOutput
+from .sampler import SamplingRow
 from .sampling_params import SamplingParams
 
 
@@ -49,22 +50,22 @@ class Sequence:
     pending_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     pending_logits: list = field(default_factory=list)
     last_token_time: Optional[float] = None
+    sampling_row: Optional[SamplingRow] = None  # built at the first sampled token, then updated
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.request.num_prompt_tokens  # fixed; read many times per step
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.request.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.request.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:]
 
     @property
     def params(self) -> SamplingParams:

@@ -43,7 +43,7 @@ class ServerProcess:
     Args:
         model: the model directory.
         args: further ``kvpilot serve`` arguments (e.g. ``["--chat-template", "t.jinja"]``).
-        log_path: where the server's stdout/stderr go (default: a pipe drained on stop).
+        log_path: where the server's stdout/stderr go (default: discarded).
         startup_timeout: seconds to wait for ``/health`` to answer 200.
 
     Attributes:

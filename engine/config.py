@@ -82,6 +82,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         if not any(a in cls.SUPPORTED_ARCHITECTURES for a in archs):
             raise ValueError(f"unsupported architecture {archs}; kvpilot runs {', '.join(cls.SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+            raise ValueError(f"{model_dir}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                             f"supported; kvpilot's attention is full-context")
         heads = cfg["num_attention_heads"]
         eos = _as_list(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"

@@ -99,3 +99,18 @@ def test_shutdown_then_submit_fails_fast(stories_model_dir):
 
     with pytest.raises(EngineDeadError):
         llm.generate("", SamplingParams(max_tokens=2))
+
+
+def test_sliding_window_models_are_refused(tmp_path):
+    import json
+
+    from kvpilot.config import ModelConfig
+
+    cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelConfig.from_dir(tmp_path)
+    cfg["sliding_window"] = None
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_dir(tmp_path).num_key_value_heads == 2

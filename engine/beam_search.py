@@ -186,6 +186,7 @@ class BeamSearch:
                 seq.status = SequenceStatus.RUNNING
                 sched.running.append(seq)
             seq.token_ids = list(tokens)
+            seq.sampling_row = None  # its cached penalty history belonged to another hypothesis
             seq.block_table = list(blocks)
             seq.num_computed_tokens = len(blocks) * kv.block_size
             seq.num_cached_blocks = min(cached, len(blocks))

@@ -56,6 +56,22 @@ class SamplingRow:
     allowed_token_ids: Optional[list[int]] = None
     banned_token_ids: list[int] = field(default_factory=list)
     bad_word_seqs: list[list[int]] = field(default_factory=list)
+    # Penalty history as device tensors, kept across steps when the engine reuses the row of a
+    # sequence (its output only grows): prompt ids once, output ids appended as they come.
+    _prompt_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+    _out_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
+
+    def history(self, dev: torch.device) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(prompt ids, output ids) as int64 tensors on ``dev``, updated with the new output ids."""
+        if self._prompt_t is None and self.prompt_token_ids is not None:
+            self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        have = 0 if self._out_t is None else self._out_t.numel()
+        if self._out_t is None or have > len(self.output_token_ids):
+            self._out_t = torch.tensor(self.output_token_ids, dtype=torch.int64).to(dev, non_blocking=True)
+        elif have < len(self.output_token_ids):
+            new = torch.tensor(self.output_token_ids[have:], dtype=torch.int64).to(dev, non_blocking=True)
+            self._out_t = torch.cat([self._out_t, new])
+        return self._prompt_t, self._out_t
 
     @property
     def needs_processing(self) -> bool:
@@ -207,23 +223,47 @@ def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> 
         bias = torch.zeros(S, V + 1, dtype=logits.dtype, device=dev)
         bias.scatter_add_(1, _padded(keys, V, dev), vals.to(dev))
         logits += bias[:, :V]
-    if any(r.repetition_penalty != 1.0 for r in rows):
-        seen_ids = [(r.prompt_token_ids or []) + r.output_token_ids if r.repetition_penalty != 1.0 else []
-                    for r in rows]
-        seen = torch.zeros(S, V + 1, dtype=torch.bool, device=dev).scatter_(1, _padded(seen_ids, V, dev), True)[:, :V]
-        pen = torch.tensor([r.repetition_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
-        penalised = torch.where(logits > 0, logits / pen, logits * pen)
-        logits.copy_(torch.where(seen, penalised, logits))
-    if any((r.frequency_penalty or r.presence_penalty) and r.output_token_ids for r in rows):
-        outs = [r.output_token_ids if (r.frequency_penalty or r.presence_penalty) else [] for r in rows]
-        ids = _padded(outs, V, dev)
-        counts = torch.zeros(S, V + 1, dtype=logits.dtype, device=dev)
-        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
-        counts = counts[:, :V]
-        freq = torch.tensor([r.frequency_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
-        pres = torch.tensor([r.presence_penalty for r in rows], dtype=logits.dtype, device=dev)[:, None]
-        logits -= freq * counts + pres * (counts > 0).to(logits.dtype)
+    pen_rows = [i for i, r in enumerate(rows)
+                if r.repetition_penalty != 1.0 or r.frequency_penalty or r.presence_penalty]
+    if pen_rows:
+        _apply_history_penalties(logits, rows, pen_rows)
     return logits
+
+
+def _apply_history_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """Repetition (HF: over prompt and output) and frequency/presence (OpenAI: output only) penalties.
+
+    Sparse: only the (row, token) pairs of the rows' histories are touched, through flat indices
+    ``row * V + token`` into ``logits`` ([S, V], modified in place); no [S, V] temporaries.
+    """
+    S, V = logits.shape
+    dev = logits.device
+    if not logits.is_contiguous():
+        raise ValueError("penalties are applied in place through a flat view: logits must be contiguous")
+    flat = logits.view(-1)
+    prompts, outs = zip(*(rows[i].history(dev) for i in idx))
+
+    def keys(tensors) -> torch.Tensor:
+        lens = torch.tensor([0 if t is None else t.numel() for t in tensors], device=dev)
+        ids = torch.cat([t for t in tensors if t is not None] or [torch.empty(0, dtype=torch.int64, device=dev)])
+        row = torch.repeat_interleave(torch.tensor(idx, device=dev), lens)
+        ok = (ids >= 0) & (ids < V)
+        return (row * V + ids)[ok]
+
+    out_keys = keys(outs)
+    rep = [rows[i].repetition_penalty for i in idx]
+    if any(p != 1.0 for p in rep):
+        seen = torch.unique(torch.cat([keys([p if rows[i].repetition_penalty != 1.0 else None
+                                             for i, p in zip(idx, prompts)]), out_keys]))
+        pen = torch.tensor([r.repetition_penalty for r in rows], dtype=logits.dtype, device=dev)[seen // V]
+        vals = flat[seen]
+        flat[seen] = torch.where(vals > 0, vals / pen, vals * pen)
+    if out_keys.numel() and any(rows[i].frequency_penalty or rows[i].presence_penalty for i in idx):
+        uniq, counts = torch.unique(out_keys, return_counts=True)
+        r = uniq // V
+        freq = torch.tensor([x.frequency_penalty for x in rows], dtype=logits.dtype, device=dev)[r]
+        pres = torch.tensor([x.presence_penalty for x in rows], dtype=logits.dtype, device=dev)[r]
+        flat.index_add_(0, uniq, -(freq * counts.to(logits.dtype) + pres))
 
 
 def mask_sorted_candidates(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -78,12 +78,14 @@ class EngineCore:
         req.aborted = True
         # With best_of or beams, sequences are candidates, not choices: no choice has been sent yet.
         whole = req.params.num_candidates > req.params.n or req.params.use_beam_search
-        open_choices = range(req.params.n) if whole else [s.index for s in req.seqs if not s.is_finished]
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
-                seq.finish_reason = "abort"
-        deltas = [SequenceDelta(i, [], "", finish_reason="abort") for i in open_choices]
+        open_seqs = [s for s in req.seqs if not s.is_finished]
+        for seq in open_seqs:
+            self.scheduler.finish(seq)
+            seq.finish_reason = "abort"
+        if whole:
+            deltas = [SequenceDelta(i, [], "", finish_reason="abort") for i in range(req.params.n)]
+        else:  # what each open choice generated and has not sent yet (all of it, if not streaming)
+            deltas = [self._delta(seq) for seq in open_seqs]
         self._finish_request(req, deltas, error=RequestAborted(f"request {request_id} was aborted"))
 
     def fail_all(self, error: BaseException) -> None:

@@ -142,3 +142,22 @@ def test_penalty_history_cached_on_a_reused_row_matches_a_fresh_row():
     for t, c in {7: 2, 12: 1, 49: 1, 3: 1}.items():
         expect[t] -= 0.4 * c + 0.2
     assert torch.allclose(a[1], expect, atol=1e-6)
+
+
+def test_aborted_non_streaming_request_keeps_what_it_generated(llm):
+    import time
+
+    from kvpilot import SamplingParams as SP
+
+    out = llm.generate_async("", SP(temperature=0, max_tokens=400, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while llm._core.requests.get(out.request_id) is None or \
+            llm._core.requests[out.request_id].seqs[0].num_output_tokens < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    out.abort()
+    with pytest.raises(RequestAborted):
+        out.result(timeout=30)
+    choice = out.outputs[0]
+    assert choice.finish_reason == "abort" and len(choice.token_ids) >= 5
+    assert GOLDEN.startswith(choice.text) and choice.text

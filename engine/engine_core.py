@@ -81,6 +81,8 @@ class EngineCore:
         open_seqs = [s for s in req.seqs if not s.is_finished]
         for seq in open_seqs:
             self.scheduler.finish(seq)
+            if seq.params.stop:  # text held back as a possible stop string is never sent
+                seq.text = seq.text[:max(len(seq.text) - hold_back_len(seq.text, seq.params.stop), seq.sent_text_len)]
             seq.finish_reason = "abort"
         if whole:
             deltas = [SequenceDelta(i, [], "", finish_reason="abort") for i in range(req.params.n)]
@@ -112,7 +114,7 @@ class EngineCore:
             finished_time=now))
         ctx = self._context_logits.pop(req.request_id, None)  # issue 7: return_context_logits
         self._outbox.append((req.output, RequestUpdate(deltas=deltas, finished=True, error=error,
-                                                       prompt_logprobs=req.prompt_logprobs_acc,
+                                                       prompt_logprobs=_copy(req.prompt_logprobs_acc),
                                                        context_logits=torch.cat(ctx) if ctx else None)))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -332,7 +334,7 @@ class EngineCore:
                     deltas = [self._delta(s, replace_index=i) for i, s in enumerate(best)]
                 self._finish_request(req, deltas)
             elif deltas:
-                self._outbox.append((req.output, RequestUpdate(deltas=deltas, prompt_logprobs=req.prompt_logprobs_acc)))
+                self._outbox.append((req.output, RequestUpdate(deltas=deltas, prompt_logprobs=_copy(req.prompt_logprobs_acc))))
 
     def idle_stats(self) -> IterationStats:
         """Gauges without a step (after aborts or an engine error), so that usage can fall to 0."""
@@ -358,3 +360,8 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+
+
+def _copy(entries: Optional[list]) -> Optional[list]:
+    """A snapshot for the consumer thread (the engine keeps appending to its own list)."""
+    return None if entries is None else list(entries)

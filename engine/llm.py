@@ -153,7 +153,9 @@ class LLM:
                        streaming: bool = False) -> RequestOutput:
         """Queue one request and return its `RequestOutput` at once.
 
-        ``await`` it for the finished result (or, with ``streaming=True``, ``async for`` over it).
+        ``await`` it for the finished result (or, with ``streaming=True``, ``async for`` over it and
+        get a chunk per engine step). A non-streaming handle receives one update, when the request
+        ends, so iterating it yields only the final result.
 
         Raises:
             ValueError / TypeError: bad prompt or parameters (nothing is queued).

@@ -63,6 +63,10 @@ class SamplingRow:
 
     def history(self, dev: torch.device) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """(prompt ids, output ids) as int64 tensors on ``dev``, updated with the new output ids."""
+        if self._out_t is not None and self._out_t.device != dev:
+            # Logits can arrive on another device than last step (the multi-process executor
+            # returns large batches through a pipe, on the CPU): rebuild there.
+            self._prompt_t = self._out_t = None
         if self._prompt_t is None and self.prompt_token_ids is not None:
             self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.int64).to(dev, non_blocking=True)
         have = 0 if self._out_t is None else self._out_t.numel()

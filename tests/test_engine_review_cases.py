@@ -161,3 +161,36 @@ def test_aborted_non_streaming_request_keeps_what_it_generated(llm):
     choice = out.outputs[0]
     assert choice.finish_reason == "abort" and len(choice.token_ids) >= 5
     assert GOLDEN.startswith(choice.text) and choice.text
+
+
+def test_penalty_history_follows_the_logits_device():
+    import torch
+
+    from kvpilot.sampler import SamplingRow
+
+    r = SamplingRow(repetition_penalty=1.3, prompt_token_ids=[1, 2, 3], output_token_ids=[4])
+    r._prompt_t = torch.tensor([1, 2, 3], device="meta")  # left by an earlier step on another device
+    r._out_t = torch.tensor([4], device="meta")
+    r.output_token_ids = [4, 5]
+    prompt, out = r.history(torch.device("cpu"))
+    assert prompt.tolist() == [1, 2, 3] and out.tolist() == [4, 5]
+
+
+def test_abort_never_sends_text_held_back_for_a_stop_string(llm):
+    from kvpilot.detokenizer import hold_back_len
+    from kvpilot.sampling_params import SamplingParams as SP
+    from kvpilot.sequence import Request, Sequence
+    from kvpilot.outputs import RequestOutput
+
+    core = llm._core
+    params = SP(max_tokens=10, stop=["red ball"])
+    req = Request(10**9, [1], params, RequestOutput(10**9, "", [1], 1))
+    seq = Sequence(request=req, index=0, token_ids=[1], seed=0)
+    req.seqs.append(seq)
+    seq.text, seq.sent_text_len = "she saw a big, red", 14  # " red" could still become "red ball"
+    assert hold_back_len(seq.text, params.stop) == 3
+    core.requests[req.request_id] = req
+    core.abort_request(req.request_id)
+    (output, update), = [(o, u) for o, u in core._outbox if o is req.output]
+    core._outbox.clear()
+    assert update.deltas[0].new_text == " " and update.deltas[0].finish_reason == "abort"  # not " red"

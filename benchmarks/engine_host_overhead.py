@@ -1,65 +1,199 @@
-"""Host (CPU) time of one engine step outside the model: scheduling, sampling bookkeeping, stops,
-detokenization, outputs and stats.
+"""Host (CPU) time of one engine step outside the model, and how much of it asynchronous output
+processing hides behind the device's work (``KVPILOT_ASYNC_OUTPUT``).
 
-On a GPU the engine loop is synchronous, so this time adds to every step while the GPU waits (at
-batch 256 a CUDA-graph decode step of an 8B model takes about 11 ms on an H200). The model is
-replaced by an executor that returns zero logits at once, so only the engine's own work is timed.
+The model is replaced by a fake executor, so only the engine's own work is real:
+
+- ``--gpu-ms 0``: the executor returns logits at once; the table gives the host time per step
+  (scheduling, sampling, stops, detokenization, outputs, stats).
+- otherwise a fake device: each ``execute`` "launches" ``--gpu-ms`` of device work and returns at
+  once, and the sampler's read of the chosen ids waits until that work is done, as on a GPU (the one
+  device->host synchronisation of a step). ``--device sleep`` (default without CUDA) models the
+  device with a deadline and ``time.sleep``; ``--device cuda`` launches a real spin kernel
+  (``torch.cuda._sleep``) and samples real device logits. The default device time per step is
+  interpolated between 5.0 ms at batch 1 and 10.8 ms at batch 256 (an 8B model's decode step with
+  CUDA graphs on an H200).
+
+Each batch runs ``--repeat`` times in each mode, alternating synchronous (``async_output=False``)
+and asynchronous on the same engine; a mode's figure is its best median step time (steps/s = 1 /
+that); "host ms/step" is that step time minus the device time, i.e. the host work the device
+waits for. The script exits 1 if the two modes' outputs (token ids and text) differ. Logits are
+one-hot rows over a fixed pseudo-random token sequence, so detokenization sees changing text.
 
     .venv/bin/python benchmarks/engine_host_overhead.py [--batch 1 64 256] [--steps 100] [--tokenizer]
+        [--streaming] [--logprobs K] [--gpu-ms auto|0|MS] [--device sleep|cuda]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import random
 import statistics
+import sys
 import time
 
 import torch
 
 
-class _ZeroLogitsExecutor:
-    """Stands in for the model: zero logits (greedy picks token 0) for every sampled row."""
+def default_gpu_ms(batch: int) -> float:
+    """Device time of one decode step (ms), linear between 5.0 ms at batch 1 and 10.8 ms at 256."""
+    return 5.0 + (10.8 - 5.0) * (min(batch, 256) - 1) / 255
 
-    def __init__(self, num_blocks: int, block_size: int, vocab: int) -> None:
+
+class _FakeExecutor:
+    """Stands in for the model: one-hot logits (greedy follows a fixed token sequence) for every
+    sampled row, after ``gpu_ms`` of fake device work that `_DeviceWaitingSampler` waits for."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab: int, max_rows: int, device: str) -> None:
         self.num_blocks, self.block_size, self.vocab = num_blocks, block_size, vocab
+        self.device = device
+        self.gpu_ms = 0.0
+        self.busy_until = 0.0  # sleep device: when the launched work ends (perf_counter seconds)
+        rng = random.Random(0)
+        seq = [rng.randrange(3, vocab) for _ in range(997)]
+        dev = "cuda" if device == "cuda" else "cpu"
+        # A few [max_rows, V] patterns, cycled per step: row i of pattern k picks seq[(7 i + k) % 997]
+        # (k: the step's position, so that both modes produce the same tokens).
+        self.patterns = []
+        for k in range(8):
+            t = torch.zeros(max_rows, vocab)
+            t[torch.arange(max_rows), torch.tensor([seq[(7 * i + k) % len(seq)] for i in range(max_rows)])] = 1.0
+            self.patterns.append(t.to(dev))
+        self.cycles_per_ms = _calibrate_cuda_sleep() if device == "cuda" else 0.0
 
     def execute(self, plan):
         rows = sum(len(p.token_ids) if p.all_logits else int(p.sample) for p in plan)
-        return torch.zeros(rows, self.vocab), None
+        if self.gpu_ms > 0:
+            if self.device == "cuda":
+                torch.cuda._sleep(int(self.gpu_ms * self.cycles_per_ms))
+            else:
+                self.busy_until = max(time.perf_counter(), self.busy_until) + self.gpu_ms / 1e3
+        # The benchmark's requests run in lockstep: one position per step picks the pattern.
+        pattern = self.patterns[(plan[0].start_pos + len(plan[0].token_ids)) % len(self.patterns)]
+        return pattern[:rows], list(range(rows))
 
 
-def main() -> None:
+class _DeviceWaitingSampler:
+    """The real sampler, after waiting for the fake device (its read of the ids would block so)."""
+
+    def __init__(self, sampler, executor: _FakeExecutor) -> None:
+        self.sampler, self.executor = sampler, executor
+
+    def __call__(self, logits, rows):
+        end = self.executor.busy_until
+        left = end - time.perf_counter()
+        if left > 3e-4:
+            time.sleep(left - 3e-4)
+        while time.perf_counter() < end:  # sleep overshoots by ~0.1 ms; spin the rest
+            pass
+        return self.sampler(logits, rows)
+
+
+def _calibrate_cuda_sleep() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond."""
+    torch.cuda._sleep(1000)
+    torch.cuda.synchronize()
+    cycles = 20_000_000
+    best = float("inf")
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b))
+    return cycles / best
+
+
+def _run(llm, core, batch: int, args, mode: bool):
+    """One batch to the end; (median step time in s after the prefill step, outputs)."""
+    from kvpilot import SamplingParams
+
+    core.async_output = mode
+    sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True, logprobs=args.logprobs)
+    reqs = [llm._make_request([1, 300 + i % 200, 7], sp, args.streaming) for i in range(batch)]
+    for r in reqs:
+        core.add_request(r)
+    times = []
+    while core.has_work:
+        t = time.perf_counter()
+        core.step()
+        core.flush_outputs()
+        times.append(time.perf_counter() - t)
+    outs = []
+    for r in reqs:
+        o = r.output
+        if o.streaming:
+            for _ in o:
+                pass
+        else:
+            o.result(timeout=0)
+        outs.append((o.outputs[0].token_ids, o.outputs[0].text))
+    return statistics.median(times[1:]), outs  # the first step is the prefill
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--streaming", action="store_true", help="streamed requests (a chunk per step)")
     ap.add_argument("--tokenizer", action="store_true", help="detokenize (default: token ids only)")
+    ap.add_argument("--logprobs", type=int, default=None, help="top-K logprobs per token")
+    ap.add_argument("--gpu-ms", default="auto", help="fake device ms per step: auto, 0 (host only) or a number")
+    ap.add_argument("--device", choices=["sleep", "cuda"], default=None,
+                    help="fake device: sleep (CPU deadline) or cuda (spin kernel); default cuda if available")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per mode (alternating); the best median counts")
     args = ap.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "sleep")
+    if device == "sleep":
+        torch.set_num_threads(1)  # the engine is one thread; intra-op threads only add noise on a busy CPU
 
-    from kvpilot import LLM, SamplingParams
+    os.environ.setdefault("KVPILOT_CUDA_GRAPHS", "0")  # the model is replaced: capture nothing
+    from kvpilot import LLM, KvCacheConfig
     from kvpilot.convert_llama2c import ensure_stories260k
 
-    llm = LLM(str(ensure_stories260k()), skip_tokenizer_init=not args.tokenizer, max_batch_size=max(args.batch))
+    max_batch = max(args.batch)
+    llm = LLM(str(ensure_stories260k()), skip_tokenizer_init=not args.tokenizer, max_batch_size=max_batch,
+              device="cuda" if device == "cuda" else "cpu",
+              kv_cache_config=KvCacheConfig(max_tokens=max_batch * (args.steps + 32)))
     core = llm._core
-    core.executor = _ZeroLogitsExecutor(core.executor.num_blocks, core.executor.block_size,
-                                        llm.model_config.vocab_size)
+    ex = _FakeExecutor(core.executor.num_blocks, core.executor.block_size, llm.model_config.vocab_size,
+                       max_batch, device)
+    core.executor = ex
+    if device == "sleep":  # on CUDA the sampler's own read waits for the spin kernel
+        core.sampler = _DeviceWaitingSampler(core.sampler, ex)
     llm._loop.stop()  # drive the core directly, on this thread
-    sp = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-    print(f"| batch | ms per step (median) | us per sequence |")
-    print(f"|---:|---:|---:|")
+    print(f"device: {device}; tokenizer={args.tokenizer} streaming={args.streaming} logprobs={args.logprobs} "
+          f"steps={args.steps}")
+    print("| batch | device ms/step | sync steps/s | async steps/s | speedup | sync host ms/step | "
+          "async host ms/step | sync us/seq |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    ok = True
     for batch in args.batch:
-        reqs = [llm._make_request([1, 300 + i % 200, 7], sp, args.streaming) for i in range(batch)]
-        for r in reqs:
-            core.add_request(r)
-        times = []
-        while core.has_work:
-            t = time.perf_counter()
-            core.step()
-            core.flush_outputs()
-            times.append(time.perf_counter() - t)
-        ms = statistics.median(times[1:]) * 1e3
-        print(f"| {batch} | {ms:.3f} | {ms * 1e3 / batch:.1f} |")
+        ex.gpu_ms = default_gpu_ms(batch) if args.gpu_ms == "auto" else float(args.gpu_ms)
+        med: dict[bool, list[float]] = {False: [], True: []}
+        outs = {}
+        for _ in range(args.repeat):
+            for mode in (False, True):
+                m, outs[mode] = _run(llm, core, batch, args, mode)
+                med[mode].append(m)
+        s_med, a_med = min(med[False]), min(med[True])
+        s_rate, a_rate = 1 / s_med, 1 / a_med
+        s_out, a_out = outs[False], outs[True]
+        if s_out != a_out:
+            ok = False
+            bad = next(i for i, (x, y) in enumerate(zip(s_out, a_out)) if x != y)
+            print(f"MISMATCH at batch {batch}, request {bad}: {s_out[bad]!r} != {a_out[bad]!r}", file=sys.stderr)
+        # Host time the device waits for: a step's time beyond the device's own.
+        s_host, a_host = s_med * 1e3 - ex.gpu_ms, a_med * 1e3 - ex.gpu_ms
+        print(f"| {batch} | {ex.gpu_ms:.2f} | {s_rate:.1f} | {a_rate:.1f} | {a_rate / s_rate:.3f}x | "
+              f"{s_host:.3f} | {a_host:.3f} | {s_host * 1e3 / batch:.1f} |")
+    llm.shutdown()
+    if not ok:
+        print("outputs differ between the synchronous and the asynchronous engine", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

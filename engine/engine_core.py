@@ -4,13 +4,32 @@
 many callers (`generate`, concurrent `generate_async`, the HTTP server) share every batch. Callers
 talk to the loop only through a queue (add / abort) and receive `RequestUpdate`s on their
 `RequestOutput`.
+
+Asynchronous output processing (vLLM's "async output processor"; ``KVPILOT_ASYNC_OUTPUT``, default
+1). Each sampled token's host work is split in two:
+
+- the *fast* part (`_append_token`), which the next schedule needs: append the id, stop token ids /
+  EOS / ``max_tokens`` / ``max_seq_len``, finish the sequence (free its blocks);
+- the *slow* part (`_output_token`, `_finish_outputs`): logprob dicts, detokenization, stop
+  strings, deltas, TTFT/ITL, `_emit` to the outbox.
+
+Step N runs: schedule -> launch the forward pass (the executor returns device logits at once) ->
+the slow part of step N-1 while the device computes -> sample (the one device->host read) -> the fast
+part of step N. A sequence that the slow part of N-1 finishes by a stop string was already scheduled
+in step N: its step-N token is dropped (never appended, counted or sent). The slow part runs at once
+(in the same step) when nothing follows (the scheduler has no work), for requests whose sequences all
+finished in the fast part (a final result never waits for another step), before an abort of its
+request and before `fail_all`. With ``KVPILOT_ASYNC_OUTPUT=0`` both parts always run in the step
+that sampled the token (the synchronous engine, for A/B runs).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 
@@ -27,6 +46,27 @@ from .stats import FinishedRequestStats, IterationStats, KvCacheStats
 logger = logging.getLogger(__name__)
 
 
+def async_output_enabled() -> bool:
+    """``KVPILOT_ASYNC_OUTPUT`` (default 1): 0 runs each token's output work in the step that sampled it."""
+    return os.environ.get("KVPILOT_ASYNC_OUTPUT", "1") not in ("0", "false", "False", "no")
+
+
+@dataclass
+class _Sampled:
+    """A token appended by the fast part whose output work (the slow part) is still to do.
+
+    ``num_tokens`` is the sequence's length right after the append: the slow part runs before the
+    sequence can get another token, so ``seq.token_ids`` still ends with ``token`` then.
+    """
+
+    seq: Sequence
+    token: int
+    logprob: Optional[float]
+    top: Optional[tuple[list[int], list[float], int]]  # (top ids, their logprobs, chosen rank)
+    stopped_by_token: bool  # a stop token id or EOS ended the sequence
+    num_tokens: int
+
+
 class EngineCore:
     """Owns the scheduler, the KV-cache manager and the executor (which runs the model).
 
@@ -35,11 +75,15 @@ class EngineCore:
             ``num_blocks`` and ``block_size``; a `ModelRunner` or a multi-process executor.
         tokenizer: a Hugging Face tokenizer, or None (then no text is produced).
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
+        async_output: overlap each step's output work with the next step's forward pass (see the
+            module docstring); None reads ``KVPILOT_ASYNC_OUTPUT``. May be changed between steps.
     """
 
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
-                 max_batch_size: int, max_seq_len: int, enable_block_reuse: bool) -> None:
+                 max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
+                 async_output: Optional[bool] = None) -> None:
         self.executor = executor
+        self.async_output = async_output_enabled() if async_output is None else async_output
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -54,6 +98,9 @@ class EngineCore:
         # Updates wait here until the step's stats are reported, so that a caller woken by its
         # result already sees the stats of the step that produced it.
         self._outbox: list[tuple] = []
+        self._pending: list[_Sampled] = []  # tokens of the last step whose slow part is still to do
+        self._ttft: list[float] = []  # observations since the last stats
+        self._itl: list[float] = []
 
     def flush_outputs(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -62,7 +109,8 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Sequences to run, or output work of the last step still to do (the next step does it)."""
+        return self.scheduler.has_work or bool(self._pending)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -72,6 +120,13 @@ class EngineCore:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: int) -> None:
+        # The request's last token first gets its output work, so that the abort sees (and returns)
+        # exactly the state the synchronous engine would have; if that work finished the request,
+        # the abort comes too late and does nothing.
+        mine = [e for e in self._pending if e.seq.request.request_id == request_id]
+        if mine:
+            self._pending = [e for e in self._pending if e.seq.request.request_id != request_id]
+            self._finish_outputs(mine)
         req = self.requests.get(request_id)
         if req is None:
             return
@@ -91,7 +146,17 @@ class EngineCore:
         self._finish_request(req, deltas, error=RequestAborted(f"request {request_id} was aborted"))
 
     def fail_all(self, error: BaseException) -> None:
-        """Fail every request in flight (after an engine error) and free their blocks."""
+        """Fail every request in flight (after an engine error) and free their blocks.
+
+        The output work of the last step is done first (it needs no device), so that requests that
+        had already finished are delivered rather than failed.
+        """
+        pending = self._take_pending()
+        if pending:
+            try:
+                self._finish_outputs(pending)
+            except Exception:
+                logger.exception("dropping the last step's outputs of %d sequences", len(pending))
         for req in list(self.requests.values()):
             for seq in req.seqs:
                 if not seq.is_finished:
@@ -122,7 +187,11 @@ class EngineCore:
         t0 = time.monotonic()
         sched = self.scheduler.schedule()
         if not sched:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self._pending:
+                # Nothing to overlap with: finish the last step's outputs now. They may free blocks
+                # (stop strings), so the queue gets another schedule before it can be called stuck.
+                self._finish_outputs(self._take_pending())
+            elif self.scheduler.waiting and not self.scheduler.running:
                 # Nothing can ever run: the head of the queue does not fit an empty pool.
                 seq = self.scheduler.waiting[0]
                 req = seq.request
@@ -131,11 +200,14 @@ class EngineCore:
                     s.finish_reason = "abort"
                 self._finish_request(req, [], error=RequestError(
                     f"request {req.request_id} needs more KV-cache blocks than the pool has"))
-            return self._stats(t0, sched, 0, 0, [], [])
+            return self._stats(t0, sched, 0, 0)
         plan: list[ScheduledSeq] = []
-        num_context = sum(1 for seq, _ in sched.scheduled if seq.num_computed_tokens < seq.num_prompt_tokens)
+        num_context = num_prompt_tokens = 0
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
+            if start < seq.num_prompt_tokens:
+                num_context += 1
+                num_prompt_tokens += min(n, seq.num_prompt_tokens - start)
             want_prompt_lp = ((seq.params.prompt_logprobs is not None or seq.params.return_context_logits)
                               and seq.index == 0 and start < seq.num_prompt_tokens)
             # The block table is passed, not copied: the executor is done with it before it changes.
@@ -145,54 +217,100 @@ class EngineCore:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = t0
         logits, _ = self.executor.execute(plan)
-        now = time.monotonic()
+        # A sampler with ``launch`` (see `_sample`) lets the output work also cover its own kernels.
+        split = getattr(self.sampler, "launch", None) is not None
+        if self._pending and not split:
+            # On a GPU the executor has only launched the step: the last step's output work runs
+            # while the device computes. It may finish sequences scheduled in this step (stop
+            # strings); their tokens of this step are dropped below.
+            self._overlapped_outputs()
         rows: list[SamplingRow] = []
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         row = 0
-        num_prompt_tokens = 0
         for (seq, n), p in zip(sched.scheduled, plan):
-            if seq.num_computed_tokens < seq.num_prompt_tokens:
-                num_prompt_tokens += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+            first = row
+            if p.all_logits:
+                row += n
+            elif p.sample:
+                row += 1
+            if seq.is_finished:
+                continue  # finished by the last step's output work: nothing of this step is kept
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
-                    self._prompt_logprobs(seq, p.start_pos, logits[row:row + n])
+                    self._prompt_logprobs(seq, p.start_pos, logits[first:row])
                 if seq.params.return_context_logits:  # issue 7
-                    self._keep_context_logits(seq, p.start_pos, logits[row:row + n])
-                row += n
-                last = row - 1
-            elif p.sample:
-                last = row
-                row += 1
+                    self._keep_context_logits(seq, p.start_pos, logits[first:row])
             seq.num_computed_tokens += n
             self.kv.cache_full_blocks(seq)
             if p.sample:
                 rows.append(self._sampling_row(seq))
                 sample_seqs.append(seq)
-                sample_rows.append(last)
-        ttft, itl = [], []
-        updates: dict[int, list[SequenceDelta]] = {}
+                sample_rows.append(row - 1)
         if any(s.params.use_beam_search for s in sample_seqs):  # issue 7: beams choose their own tokens
             sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
+        sampled: list[_Sampled] = []
         if sample_seqs:
             sel = logits[torch.tensor(sample_rows, device=logits.device)] if row != len(sample_rows) else logits
-            out = self.sampler(sel, rows)
+            out = self._sample(sel, rows)
             for i, seq in enumerate(sample_seqs):
-                req = seq.request
-                if req.output.metrics.first_token_time is None:
-                    req.output.metrics.first_token_time = now
-                    ttft.append(now - req.output.metrics.arrival_time)
-                elif seq.last_token_time is not None:
-                    itl.append(now - seq.last_token_time)
-                seq.last_token_time = now
-                keep_logits = seq.params.return_generation_logits
-                delta = self._append_token(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i],
-                                           sel[i].cpu() if keep_logits else None)
-                if delta is not None:
-                    updates.setdefault(req.request_id, []).append(delta)
-        num_generated = len(sample_seqs)
-        self._emit(updates, sample_seqs)
-        return self._stats(t0, sched, num_prompt_tokens, num_generated, ttft, itl, num_context)
+                if seq.is_finished:
+                    continue  # finished by the output work that ran while it was sampled: dropped
+                # Copied now: a CUDA-graph step's logits are overwritten by the next step.
+                keep_logits = sel[i].cpu() if seq.params.return_generation_logits else None
+                sampled.append(self._append_token(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i],
+                                                  keep_logits))
+        if self._pending:  # a split sampler with nothing to sample this step
+            self._overlapped_outputs()
+        if sampled:
+            if not self.async_output or not self.scheduler.has_work:
+                self._finish_outputs(sampled)  # nothing follows (or synchronous mode): no waiting
+            else:
+                # A request that ended in the fast part gets its result now, not one step later.
+                done = [e for e in sampled if e.seq.finish_reason is not None and e.seq.request.finished]
+                self._pending = sampled
+                if done:
+                    self._pending = [e for e in sampled if not (e.seq.finish_reason is not None
+                                                                and e.seq.request.finished)]
+                    self._finish_outputs(done)
+        return self._stats(t0, sched, num_prompt_tokens, len(sampled), num_context)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
+        """Sample ``logits`` ([S, V] float32); the pending output work runs while the device works.
+
+        A sampler may offer ``launch(logits, rows) -> handle`` (every device operation queued, no
+        device->host read) and ``handle.finish() -> SamplerOutput`` (the read); calling the sampler
+        must equal ``launch(...).finish()``. Then the last step's output work also overlaps the
+        sampler's kernels and its host-side launches. Sequences that work finishes were sampled
+        anyway; the caller drops their tokens.
+        """
+        launch = getattr(self.sampler, "launch", None)
+        if launch is None:
+            return self.sampler(logits, rows)  # the output work already ran, right after execute
+        handle = launch(logits, rows)
+        if self._pending:
+            self._overlapped_outputs()
+        return handle.finish()
+
+    def _overlapped_outputs(self) -> None:
+        self._finish_outputs(self._take_pending())
+        self._push_progress()
+
+    def _push_progress(self) -> None:
+        """Hand the outbox's intermediate (stream) updates to their consumers now, while the device
+        is busy. Their tokens' stats were reported with the step that sampled them; final results
+        wait for this step's stats (they carry the request's own finished stats)."""
+        keep = []
+        for output, update in self._outbox:
+            if update.finished:
+                keep.append((output, update))
+            else:
+                output._push(update)
+        self._outbox = keep
+
+    def _take_pending(self) -> list[_Sampled]:
+        pending, self._pending = self._pending, []
+        return pending
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampler inputs: built once from its parameters, then only what changes
@@ -256,45 +374,79 @@ class EngineCore:
             entry.setdefault(tok, Logprob(chosen, int((lps[j] > chosen).sum()) + 1, self._piece(tok, context)))
             acc.append(entry)
 
-    def _append_token(self, seq: Sequence, token: int, logprob, top, logits_row) -> Optional[SequenceDelta]:
+    def _append_token(self, seq: Sequence, token: int, logprob: Optional[float], top,
+                      logits_row: Optional[torch.Tensor]) -> _Sampled:
+        """The fast part of a sampled token: what the next schedule needs (length, stop ids, EOS,
+        ``max_tokens``, ``max_seq_len``, freed blocks). The rest is `_output_token`'s."""
         p = seq.params
         seq.token_ids.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
-        if top is not None and p.logprobs is not None:
-            ids, vals, rank = top
-            context = seq.token_ids[-5:-1]
-            entry = {t: Logprob(v, r + 1, self._piece(t, context)) for r, (t, v) in enumerate(zip(ids, vals))}
-            entry.setdefault(token, Logprob(logprob, rank, self._piece(token, context)))
-            seq.pending_logprobs.append(entry)
         if logits_row is not None:
             seq.pending_logits.append(logits_row)
-        out_len = seq.num_output_tokens
         # The sampler bans EOS and stop tokens until min_tokens exist, so any that arrives counts.
         stopped_by_token = False
         if token in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", token, True
         elif not p.ignore_eos and token in self._end_ids(p):
             seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", None, True
-        if self.tokenizer is not None and p.detokenize and (not stopped_by_token or p.include_stop_str_in_output):
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+            seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        return _Sampled(seq, token, logprob, top, stopped_by_token, seq.num_tokens)
+
+    def _output_token(self, e: _Sampled) -> Optional[SequenceDelta]:
+        """The slow part of a sampled token: logprob entry, detokenization, stop strings, its delta."""
+        seq, token, p = e.seq, e.token, e.seq.params
+        assert seq.num_tokens == e.num_tokens, "a sequence got a token before the last one's output work"
+        if e.top is not None and p.logprobs is not None:
+            ids, vals, rank = e.top
+            context = seq.token_ids[-5:-1]
+            entry = {t: Logprob(v, r + 1, self._piece(t, context)) for r, (t, v) in enumerate(zip(ids, vals))}
+            entry.setdefault(token, Logprob(e.logprob, rank, self._piece(token, context)))
+            seq.pending_logprobs.append(entry)
+        if self.tokenizer is not None and p.detokenize and (not e.stopped_by_token or p.include_stop_str_in_output):
             new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens)
             if new:
                 seq.text += new
-                if p.stop and out_len >= p.min_tokens and seq.finish_reason is None:
+                # A stop string wins over "length" reached by the same token, as it always has.
+                if p.stop and seq.num_output_tokens >= p.min_tokens and seq.finish_reason in (None, "length"):
                     hit = find_stop(seq.text, len(new), p.stop)
                     if hit is not None:
                         start, s = hit
                         seq.text = seq.text[:start + len(s)] if p.include_stop_str_in_output else seq.text[:start]
                         seq.finish_reason, seq.stop_reason = "stop", s
-        if seq.finish_reason is None and (out_len >= p.max_tokens or seq.num_tokens >= self.max_seq_len):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            self.scheduler.finish(seq)
+                        if not seq.is_finished:
+                            self.scheduler.finish(seq)
         if p.num_candidates > p.n:
             return None  # best_of: the chosen n are sent whole when the request ends
         if not seq.request.output.streaming and seq.finish_reason is None:
             return None  # nobody reads intermediate chunks of a non-streaming request: one delta at the end
         return self._delta(seq)
+
+    def _finish_outputs(self, sampled: list[_Sampled]) -> None:
+        """The slow part of these tokens (at most one per sequence), then their requests' updates."""
+        now = time.monotonic()
+        updates: dict[int, list[SequenceDelta]] = {}
+        reqs: dict[int, Request] = {}
+        for e in sampled:
+            seq = e.seq
+            req = seq.request
+            if req.request_id not in self.requests:
+                continue  # ended meanwhile (fail_all): nothing more is sent
+            m = req.output.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+                self._ttft.append(now - m.arrival_time)
+            elif seq.last_token_time is not None:
+                self._itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            delta = self._output_token(e)
+            if delta is not None:
+                updates.setdefault(req.request_id, []).append(delta)
+            reqs[req.request_id] = req
+        self._emit(updates, reqs.values())
 
     def _delta(self, seq: Sequence, replace_index: Optional[int] = None) -> SequenceDelta:
         p = seq.params
@@ -323,8 +475,8 @@ class EngineCore:
         before = self.tokenizer.decode(context, skip_special_tokens=True)
         return self.tokenizer.decode(context + [token], skip_special_tokens=True)[len(before):]
 
-    def _emit(self, updates: dict[int, list[SequenceDelta]], sampled: list[Sequence]) -> None:
-        for req in {s.request for s in sampled}:
+    def _emit(self, updates: dict[int, list[SequenceDelta]], reqs: Iterable[Request]) -> None:
+        for req in reqs:
             if req.request_id not in self.requests:
                 continue
             deltas = updates.get(req.request_id, [])
@@ -338,12 +490,14 @@ class EngineCore:
 
     def idle_stats(self) -> IterationStats:
         """Gauges without a step (after aborts or an engine error), so that usage can fall to 0."""
-        return self._stats(time.monotonic(), SchedulerOutput(), 0, 0, [], [])
+        return self._stats(time.monotonic(), SchedulerOutput(), 0, 0)
 
-    def _stats(self, t0, sched, num_prompt_tokens, num_generated, ttft, itl, num_context=0) -> IterationStats:
+    def _stats(self, t0, sched, num_prompt_tokens, num_generated, num_context=0) -> IterationStats:
         self.iteration += 1
         kv = self.kv
         finished, self._pending_finished = self._pending_finished, []
+        ttft, self._ttft = self._ttft, []
+        itl, self._itl = self._itl, []
         gpu_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         return IterationStats(
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,

@@ -1,0 +1,571 @@
+"""Triton kernels of the batched sampler; ``engine/sampler.py`` defines what they compute.
+
+They read the ``[rows, V]`` logits where they lie (rows picked by index, no gathered copies) and
+never write a ``[rows, V]`` temporary; the Gumbel noise is made in registers, bit for bit the
+counter hash of ``kvpilot.sampler.gumbel_noise``.
+
+- Greedy rows and rows without top-k/top-p/min-p: ``_plain_kernel``, one pass, arg-max of
+  ``logits`` or of ``logits / T + G`` per chunk; ``_resolve_kernel`` reduces the chunks.
+- Filtered rows find where their kept prefix (in order of value, then token id) ends without
+  sorting. ``_max_kernel``: the row max ``m``. ``_stats_kernel`` (stage 1): count and approximate
+  mass of the tokens above 16 fixed depths below ``m``, from which a window ``[c_lo, c_hi)`` of
+  values is chosen that must hold every boundary (top-k's k-th token, top-p's last token); when the
+  window holds more than ``wcap`` tokens, stage 2 counts again at 16 depths inside it.
+  ``_collect_kernel``: exact count and mass above the window, the best noisy token there, and the
+  window's tokens copied out. ``_resolve_kernel``: exact top-k, top-p and min-p inside the window,
+  then the Gumbel-max winner among kept tokens (Pareto search: the winner is the highest-noise
+  token whose rank is inside the prefix, found in a few masked arg-max rounds).
+
+Masses are the fixed-point integers ``floor(exp(z - m) * 2**44)`` that the reference sums too, so
+every exact decision is the same integer comparison in both (no summation-order rounding).
+A row whose window cannot settle it exactly (too many tokens in it; unlikely combinations such as a
+huge top-k with a small top-p) gets -1, and the caller draws it with the exact reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:  # exp must round like torch's (CUDA expf); tl.exp is the fast approximation
+    from triton.language.extra import libdevice
+except ImportError:  # pragma: no cover - old Triton
+    libdevice = None
+
+Q_SCALE = 2.0 ** 44
+"""Fixed-point scale of token masses (exact in float32 and int64 for any vocabulary < 2**19)."""
+ZERO_DEPTH = 31.5
+"""Tokens more than this below the row max have mass 0 and can never win the draw (the noise
+spans less than 20.2), so no decision depends on anything below it."""
+STAGE1_DEPTHS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 13.0, 17.0, 23.0, ZERO_DEPTH)
+_INT_MAX = tl.constexpr(2147483647)
+
+CONFIG = {
+    "chunk": 4096,  # vocabulary columns per program of the full passes
+    "block": 1024,  # columns per loop step of the plain/max/collect passes
+    "stats_block": 256,  # columns per loop step of the stats pass (x 16 levels of accumulators)
+    "wcap": 8192,  # tokens a window may hold (per row); more -> stage 2, then the exact path
+}
+"""Launch parameters (tests shrink ``chunk`` and ``wcap`` to reach every path with a tiny vocab)."""
+
+
+# ---- hashing and noise: the same bits as kvpilot.sampler._row_keys / _gumbel_from_keys ---------
+@triton.jit
+def _hash32(x):
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _row_key(seed, step):
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    st = (step & 0xFFFFFFFF).to(tl.uint32)
+    return _hash32(_hash32(lo) ^ (st * 0x9E3779B1) ^ _hash32(hi ^ 0x5BD1E995))
+
+
+@triton.jit
+def _gumbel(key, cols):
+    bits = _hash32(key + cols.to(tl.uint32) * 0x85EBCA77)
+    u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))  # tl.log rounds like torch.log on CUDA (checked on an H200)
+
+
+@triton.jit
+def _mass(z, m, PRECISE: tl.constexpr):
+    """floor(exp(z - m) * 2**44) as int64; 0 for z = -inf."""
+    d = tl.where(z > float("-inf"), z - m, float("-inf"))
+    if PRECISE:
+        w = libdevice.exp(d)
+    else:
+        w = tl.exp(d)
+    return (w * 17592186044416.0).to(tl.int64)
+
+
+@triton.jit
+def _order_key(z):
+    """uint32 key with the order of the float32 values (-0.0 counted as +0.0)."""
+    b = (z + 0.0).to(tl.uint32, bitcast=True)
+    return tl.where((b >> 31) != 0, ~b, b | 0x80000000)
+
+
+@triton.jit
+def _flag(c):
+    """A scalar condition that may be combined with tensors (&, |, ~). The interpreter of Triton
+    3.9 broadcasts a scalar float comparison as float32 data, which numpy cannot `&` with bools."""
+    return tl.where(c, True, False)
+
+
+@triton.jit
+def _row_max(pmax_ptr, i, NS, SP: tl.constexpr):
+    offs = tl.arange(0, SP)
+    return tl.max(tl.load(pmax_ptr + i * NS + offs, mask=offs < NS, other=float("-inf")), 0)
+
+
+@triton.jit
+def _level_sums(pcnt_ptr, pmass_ptr, i, NS, L: tl.constexpr, SP: tl.constexpr):
+    sp = tl.arange(0, SP)[:, None]
+    off = (i * NS + sp) * L + tl.arange(0, L)[None, :]
+    n = tl.sum(tl.load(pcnt_ptr + off, mask=sp < NS, other=0), 0)
+    mass = tl.sum(tl.load(pmass_ptr + off, mask=sp < NS, other=0.0), 0)
+    return n, mass
+
+
+@triton.jit
+def _pick(sel, v, fallback):
+    return tl.where(tl.max(sel.to(tl.int32), 0) > 0, tl.sum(tl.where(sel, v, 0), 0), fallback)
+
+
+@triton.jit
+def _plan(c, n, mass, c_top, n_top, m_top, c_bot, n_bot, m_bot, k, p, thr_m, m, wk_lo, w_all,
+          L: tl.constexpr):
+    """Window [c_lo, c_hi) from counts n and approximate masses at thresholds c (descending).
+
+    c_hi: the deepest level whose tokens are all kept by top-k and top-p; c_lo: the shallowest level
+    below which nothing is kept (or nothing matters). The top/bottom levels are known to qualify.
+    The 1e-4 margins cover the float32 mass sums; _resolve_kernel checks everything exactly.
+    """
+    lev = tl.arange(0, L)
+    k_on = _flag(k > 0)
+    top_p = _flag(p < 1.0)
+    # min-p or the mass alone bound the window only when the top-k's mass is not needed
+    cov = (k_on & (n >= k)) | (c <= m - 31.5) | (
+        ((~k_on) | (~top_p)) & ((c <= thr_m) | ((~k_on) & top_p & (mass >= p * w_all * 1.0001))))
+    keep = ((~k_on) | (n <= k)) & ((~top_p) | (mass < p * wk_lo * 0.9999))
+    l_lo = tl.min(tl.where(cov, lev, L), 0)
+    l_hi = tl.max(tl.where(keep & (lev <= l_lo), lev, -1), 0)
+    lo, hi = lev == l_lo, lev == l_hi
+    return (_pick(hi, c, c_top), _pick(hi, n, n_top), _pick(hi, mass, m_top),
+            _pick(lo, c, c_bot), _pick(lo, n, n_bot), _pick(lo, mass, m_bot))
+
+
+# ---- kernels -----------------------------------------------------------------------------------
+@triton.jit
+def _plain_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pval_ptr, pidx_ptr, NS,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Per chunk: arg-max of x (T == 0) or of div_rn(x, T) + G; ties -> lowest id."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(rows_ptr + i)
+    t = tl.load(fprm_ptr + r * 4)
+    key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
+    base = x_ptr + r.to(tl.int64) * stride
+    best_v = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], _INT_MAX, tl.int32)
+    for start in range(0, CHUNK, BLOCK):
+        cols = s * CHUNK + start + tl.arange(0, BLOCK)
+        inr = cols < V
+        x = tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32)
+        if t == 0.0:
+            y = x
+        else:
+            y = tl.math.div_rn(x, t) + _gumbel(key, cols)
+        upd = inr & ((y > best_v) | ((y == best_v) & (cols < best_i)))
+        best_v = tl.where(upd, y, best_v)
+        best_i = tl.where(upd, cols, best_i)
+    v = tl.max(best_v, 0)
+    tl.store(pval_ptr + i * NS + s, v)
+    tl.store(pidx_ptr + i * NS + s, tl.min(tl.where(best_v == v, best_i, _INT_MAX), 0))
+
+
+@triton.jit
+def _max_kernel(x_ptr, stride, V, rows_ptr, pmax_ptr, wcnt_ptr, NS,
+                CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    base = x_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
+    acc = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, CHUNK, BLOCK):
+        cols = s * CHUNK + start + tl.arange(0, BLOCK)
+        acc = tl.maximum(acc, tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32))
+    tl.store(pmax_ptr + i * NS + s, tl.max(acc, 0))
+    if s == 0:
+        tl.store(wcnt_ptr + i, 0)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, depth_ptr,
+                  pcnt1_ptr, pmass1_ptr, planf_ptr, plani_ptr, sub_ptr, pcnt2_ptr, pmass2_ptr, NS, WCAP,
+                  STAGE: tl.constexpr, L: tl.constexpr, SP: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Count and approximate mass (float32) of the tokens with z >= c_l for L thresholds c_l.
+
+    Stage 1: c_l = m - STAGE1_DEPTHS[l]. Stage 2 (rows whose stage-1 window is over capacity):
+    L thresholds evenly inside that window. Stage 2's first program of a row stores the stage-1
+    plan (planf: c_hi, M_hi, c_lo, M_lo, Wk_lo, W; plani: N_hi, N_lo, refine) and the thresholds.
+    """
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(rows_ptr + i)
+    t = tl.load(fprm_ptr + r * 4)
+    m = tl.math.div_rn(_row_max(pmax_ptr, i, NS, SP), t)
+    lev = tl.arange(0, L)
+    if STAGE == 1:
+        c = m - tl.load(depth_ptr + lev)
+        work = m > float("-inf")
+        pcnt_ptr = pcnt1_ptr
+        pmass_ptr = pmass1_ptr
+    else:
+        p = tl.load(fprm_ptr + r * 4 + 1)
+        thr_m = m + tl.load(fprm_ptr + r * 4 + 2)
+        k = tl.load(iprm_ptr + r * 4).to(tl.int32)
+        c1 = m - tl.load(depth_ptr + lev)
+        n1, mass1 = _level_sums(pcnt1_ptr, pmass1_ptr, i, NS, L, SP)
+        w_all = tl.sum(tl.where(lev == L - 1, mass1, 0.0), 0)
+        wk_lo = tl.where(k == 0, w_all, tl.max(tl.where(n1 <= k, mass1, 0.0), 0))
+        # the last stage-1 level (ZERO_DEPTH) always qualifies as the bottom, so no fallback is used
+        c_hi, n_hi, m_hi, c_lo, n_lo, m_lo = _plan(c1, n1, mass1, float("inf"), 0, 0.0, m - 31.5, 0, 0.0,
+                                                    k, p, thr_m, m, wk_lo, w_all, L)
+        work = (m > float("-inf")) & (n_lo - n_hi > WCAP)
+        top = tl.minimum(c_hi, m)
+        c = top - (top - c_lo) * ((lev + 1).to(tl.float32) * (1.0 / (L + 1)))
+        if s == 0:
+            tl.store(planf_ptr + i * 8 + 0, c_hi)
+            tl.store(planf_ptr + i * 8 + 1, m_hi)
+            tl.store(planf_ptr + i * 8 + 2, c_lo)
+            tl.store(planf_ptr + i * 8 + 3, m_lo)
+            tl.store(planf_ptr + i * 8 + 4, wk_lo)
+            tl.store(planf_ptr + i * 8 + 5, w_all)
+            tl.store(plani_ptr + i * 4 + 0, n_hi)
+            tl.store(plani_ptr + i * 4 + 1, n_lo)
+            tl.store(plani_ptr + i * 4 + 2, work.to(tl.int32))
+            tl.store(sub_ptr + i * L + lev, c)
+        pcnt_ptr = pcnt2_ptr
+        pmass_ptr = pmass2_ptr
+    if work:
+        base = x_ptr + r.to(tl.int64) * stride
+        acc_n = tl.zeros([BLOCK, L], tl.int32)
+        acc_m = tl.zeros([BLOCK, L], tl.float32)
+        for start in range(0, CHUNK, BLOCK):
+            cols = s * CHUNK + start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            z = tl.math.div_rn(x, t)
+            w = tl.exp(tl.where(z > float("-inf"), z - m, float("-inf")))  # approximate: guidance only
+            ge = z[:, None] >= c[None, :]
+            acc_n += ge.to(tl.int32)
+            acc_m += tl.where(ge, w[:, None], 0.0)
+        off = (i * NS + s) * L + lev
+        tl.store(pcnt_ptr + off, tl.sum(acc_n, 0))
+        tl.store(pmass_ptr + off, tl.sum(acc_m, 0))
+
+
+@triton.jit
+def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, planf_ptr, plani_ptr,
+                    sub_ptr, pcnt2_ptr, pmass2_ptr, win_ptr, wz_ptr, wid_ptr, wcnt_ptr,
+                    pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, NS, WCAP,
+                    L: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    PRECISE: tl.constexpr):
+    """Exact per-chunk sums for the final window [c_lo, c_hi) of each filtered row.
+
+    Partials: count and mass of tokens with z >= c_hi (pn, pmhi), the row's total mass (pw), and the
+    best (z + G, id) among them that pass min-p (pyb, pib). Window tokens (z, id) are appended to
+    the row's buffer (wz, wid) through the counter wcnt (order irrelevant; at most WCAP stored).
+    """
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(rows_ptr + i)
+    t = tl.load(fprm_ptr + r * 4)
+    p = tl.load(fprm_ptr + r * 4 + 1)
+    m = tl.math.div_rn(_row_max(pmax_ptr, i, NS, SP), t)
+    thr_m = m + tl.load(fprm_ptr + r * 4 + 2)
+    k = tl.load(iprm_ptr + r * 4).to(tl.int32)
+    key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
+    c_hi = tl.load(planf_ptr + i * 8 + 0)
+    c_lo = tl.load(planf_ptr + i * 8 + 2)
+    if tl.load(plani_ptr + i * 4 + 2) != 0:  # stage 2 refined this row's window
+        lev = tl.arange(0, L)
+        c2 = tl.load(sub_ptr + i * L + lev)
+        n2, mass2 = _level_sums(pcnt2_ptr, pmass2_ptr, i, NS, L, SP)
+        wk_lo = tl.load(planf_ptr + i * 8 + 4)
+        wk_lo = tl.where(k == 0, wk_lo, tl.maximum(wk_lo, tl.max(tl.where(n2 <= k, mass2, 0.0), 0)))
+        c_hi, n_hi, m_hi, c_lo, n_lo, m_lo = _plan(
+            c2, n2, mass2, c_hi, tl.load(plani_ptr + i * 4 + 0), tl.load(planf_ptr + i * 8 + 1),
+            c_lo, tl.load(plani_ptr + i * 4 + 1), tl.load(planf_ptr + i * 8 + 3),
+            k, p, thr_m, m, wk_lo, tl.load(planf_ptr + i * 8 + 5), L)
+    if s == 0:
+        tl.store(win_ptr + i * 2, c_hi)
+        tl.store(win_ptr + i * 2 + 1, c_lo)
+    base = x_ptr + r.to(tl.int64) * stride
+    n_acc = tl.zeros([BLOCK], tl.int32)
+    mhi_acc = tl.zeros([BLOCK], tl.int64)
+    w_acc = tl.zeros([BLOCK], tl.int64)
+    best_y = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], _INT_MAX, tl.int32)
+    if m > float("-inf"):
+        for start in range(0, CHUNK, BLOCK):
+            cols = s * CHUNK + start + tl.arange(0, BLOCK)
+            inr = cols < V
+            z = tl.math.div_rn(tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32), t)
+            q = _mass(z, m, PRECISE)
+            w_acc += q
+            hi = inr & (z >= c_hi)
+            n_acc += hi.to(tl.int32)
+            mhi_acc += tl.where(hi, q, 0)
+            cand = hi & (z >= thr_m)
+            if tl.max(cand.to(tl.int32), 0) > 0:
+                y = z + _gumbel(key, cols)
+                upd = cand & ((y > best_y) | ((y == best_y) & (cols < best_i)))
+                best_y = tl.where(upd, y, best_y)
+                best_i = tl.where(upd, cols, best_i)
+            win = inr & (z >= c_lo) & (z < c_hi)
+            nw = tl.sum(win.to(tl.int32), 0)
+            if nw > 0:
+                start_pos = tl.atomic_add(wcnt_ptr + i, nw)
+                pos = start_pos + tl.cumsum(win.to(tl.int32), 0) - 1
+                ok = win & (pos < WCAP)
+                tl.store(wz_ptr + i.to(tl.int64) * WCAP + pos, z, mask=ok)
+                tl.store(wid_ptr + i.to(tl.int64) * WCAP + pos, cols, mask=ok)
+    o = i * NS + s
+    tl.store(pn_ptr + o, tl.sum(n_acc, 0))
+    tl.store(pmhi_ptr + o, tl.sum(mhi_acc, 0))
+    tl.store(pw_ptr + o, tl.sum(w_acc, 0))
+    yb = tl.max(best_y, 0)
+    tl.store(pyb_ptr + o, yb)
+    tl.store(pib_ptr + o, tl.min(tl.where(best_y == yb, best_i, _INT_MAX), 0))
+
+
+@triton.jit
+def _topk_in_window(z, ids, valid, kk):
+    """Mask of the kk best window tokens by (value desc, id asc); 0 < kk < number valid."""
+    ukey = _order_key(z)
+    tkey = tl.full((), 0, tl.uint32)
+    bit = tl.full((), 0x80000000, tl.uint32)
+    for _ in range(32):  # the kk-th largest key, bit by bit
+        cand = tkey | bit
+        cnt = tl.sum((valid & (ukey >= cand)).to(tl.int32), 0)
+        tkey = tl.where(cnt >= kk, cand, tkey)
+        bit = bit >> 1
+    need = kk - tl.sum((valid & (ukey > tkey)).to(tl.int32), 0)
+    tie = valid & (ukey == tkey)
+    idc = tl.full((), 0, tl.int32)
+    ibit = tl.full((), 1 << 30, tl.int32)
+    for _ in range(31):  # the need-th smallest id among the tied tokens
+        cand = idc | ibit
+        cnt = tl.sum((tie & (ids < cand)).to(tl.int32), 0)
+        idc = tl.where(cnt < need, cand, idc)
+        ibit = ibit >> 1
+    return valid & ((ukey > tkey) | (tie & (ids <= idc)))
+
+
+@triton.jit
+def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, win_ptr, wz_ptr, wid_ptr,
+                    wcnt_ptr, pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, pval_ptr, pidx_ptr, NF, NS, NSP,
+                    WCAP: tl.constexpr, SP: tl.constexpr, SPP: tl.constexpr, PRECISE: tl.constexpr):
+    """One program per row: plain rows reduce their chunk arg-maxes; filtered rows settle exactly."""
+    pid = tl.program_id(0)
+    if pid >= NF:
+        j = pid - NF
+        po = tl.arange(0, SPP)
+        pv = tl.load(pval_ptr + j * NSP + po, mask=po < NSP, other=float("-inf"))
+        pi = tl.load(pidx_ptr + j * NSP + po, mask=po < NSP, other=_INT_MAX)
+        pbest = tl.max(pv, 0)
+        ptok = tl.min(tl.where(pv == pbest, pi, _INT_MAX), 0)
+        tl.store(out_ptr + tl.load(prows_ptr + j), ptok.to(tl.int64))
+    else:
+        i = pid
+        r = tl.load(frows_ptr + i)
+        t = tl.load(fprm_ptr + r * 4)
+        p = tl.load(fprm_ptr + r * 4 + 1)
+        k = tl.load(iprm_ptr + r * 4).to(tl.int32)
+        key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
+        m = tl.math.div_rn(_row_max(pmax_ptr, i, NS, SP), t)
+        thr_m = m + tl.load(fprm_ptr + r * 4 + 2)
+        c_hi = tl.load(win_ptr + i * 2)
+        c_lo = tl.load(win_ptr + i * 2 + 1)
+        so = tl.arange(0, SP)
+        smask = so < NS
+        n_hi = tl.sum(tl.load(pn_ptr + i * NS + so, mask=smask, other=0), 0)
+        m_hi = tl.sum(tl.load(pmhi_ptr + i * NS + so, mask=smask, other=0), 0)
+        w_all = tl.sum(tl.load(pw_ptr + i * NS + so, mask=smask, other=0), 0)
+        yb_s = tl.load(pyb_ptr + i * NS + so, mask=smask, other=float("-inf"))
+        ib_s = tl.load(pib_ptr + i * NS + so, mask=smask, other=_INT_MAX)
+        yb = tl.max(yb_s, 0)
+        ib = tl.min(tl.where(yb_s == yb, ib_s, _INT_MAX), 0)
+        n_win = tl.load(wcnt_ptr + i)
+        offs = tl.arange(0, WCAP)
+        valid = offs < n_win
+        z = tl.load(wz_ptr + i.to(tl.int64) * WCAP + offs, mask=valid, other=float("-inf"))
+        ids = tl.load(wid_ptr + i.to(tl.int64) * WCAP + offs, mask=valid, other=_INT_MAX)
+        q = tl.where(valid, _mass(z, m, PRECISE), 0)
+        kk = k - n_hi
+        intop = tl.where((k <= 0) | (kk != 0), valid, offs < 0)
+        if (k > 0) & (kk > 0) & (kk < n_win) & (n_win <= WCAP):
+            intop = _topk_in_window(z, ids, valid, kk)
+        m_win = tl.sum(tl.where(intop, q, 0), 0)
+        top_p = p < 1.0
+        wk = tl.where(k == 0, w_all, m_hi + m_win)
+        pthr = p.to(tl.float64) * wk.to(tl.float64)
+        deep = c_lo <= m - 31.5
+        fail = (n_win > WCAP) | (m == float("-inf"))
+        fail |= (k > 0) & (kk < 0)
+        fail |= top_p & (k > 0) & (kk > n_win) & (~deep)  # top-k ends below the window: W_k unknown
+        fail |= top_p & (n_hi > 0) & (m_hi.to(tl.float64) >= pthr)
+        cov = ((k > 0) & (kk <= n_win)) | (top_p & ((m_hi + m_win).to(tl.float64) >= pthr)) | (c_lo <= thr_m) | deep
+        fail |= ~cov
+        # Pareto search: arg-max of z + G among candidates; if its rank is past the top-p prefix,
+        # every token ranked at or after it is too, so continue among those ranked before it.
+        y = z + _gumbel(key, ids.to(tl.uint32))
+        cand = tl.where(fail, offs < 0, intop & (z >= thr_m))
+        win_y = tl.full((), float("-inf"), tl.float32)
+        win_i = tl.full((), _INT_MAX, tl.int32)
+        go = tl.max(cand.to(tl.int32), 0) > 0
+        while go:
+            ymax = tl.max(tl.where(cand, y, float("-inf")), 0)
+            tid = tl.min(tl.where(cand & (y == ymax), ids, _INT_MAX), 0)
+            tz = tl.max(tl.where(valid & (ids == tid), z, float("-inf")), 0)
+            above = valid & ((z > tz) | ((z == tz) & (ids < tid)))
+            rank = n_hi + tl.sum(above.to(tl.int32), 0)
+            mass_above = m_hi + tl.sum(tl.where(above, q, 0), 0)
+            kept = (~top_p) | (rank == 0) | (mass_above.to(tl.float64) < pthr)
+            win_y = tl.where(kept, ymax, win_y)
+            win_i = tl.where(kept, tid, win_i)
+            cand = tl.where(kept, offs < 0, cand & above)
+            go = tl.max(cand.to(tl.int32), 0) > 0
+        take_above = (yb > win_y) | ((yb == win_y) & (ib < win_i))
+        tok = tl.where(take_above, ib, win_i)
+        tok = tl.where(fail | (tok == _INT_MAX), -1, tok)
+        tl.store(out_ptr + r, tok.to(tl.int64))
+
+
+@triton.jit
+def _logprob_kernel(x_ptr, stride, V, rows_ptr, chosen_ptr, pmax_ptr, psum_ptr, pcnt_ptr, cval_ptr, cid_ptr,
+                    NS, N, CHUNK: tl.constexpr):
+    """Per chunk of a raw-logits row: max, sum of exp(x - max), count of x > x[chosen], and the
+    chunk's N best (x, id), best first (ties: lowest id)."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    base = x_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
+    cols = s * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    xc = tl.load(base + tl.load(chosen_ptr + i)).to(tl.float32)
+    mx = tl.max(x, 0)
+    o = i * NS + s
+    tl.store(pmax_ptr + o, mx)
+    tl.store(psum_ptr + o, tl.sum(tl.exp(tl.where(x > float("-inf"), x - mx, float("-inf"))), 0))
+    tl.store(pcnt_ptr + o, tl.sum((x > xc).to(tl.int32), 0))
+    for j in range(N):
+        best = tl.max(x, 0)
+        bid = tl.min(tl.where(x == best, cols, _INT_MAX), 0)
+        tl.store(cval_ptr + o * N + j, best)
+        tl.store(cid_ptr + o * N + j, bid)
+        x = tl.where(cols == bid, float("-inf"), x)
+
+
+# ---- host side ---------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _depths(device: torch.device) -> torch.Tensor:
+    return torch.tensor(STAGE1_DEPTHS, dtype=torch.float32, device=device)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_rows: torch.Tensor,
+         filt_rows: torch.Tensor) -> torch.Tensor:
+    """Choose one token per row of ``logits`` (see the module docstring and engine/sampler.py).
+
+    Args:
+        logits: [S, V] float32/bfloat16/float16, last dimension contiguous (CUDA, or CPU tensors
+            under TRITON_INTERPRET=1).
+        fprm: [S, 4] float32 per row: temperature (0 = greedy), top_p, log(min_p) (-inf = off), 0.
+        iprm: [>= S, 4] int64 per row: top_k (0 = off, < V), seed, step (output position), 0.
+        plain_rows: [P] int32/int64 rows drawn without filters (greedy or plain temperature).
+        filt_rows: [F] int32/int64 rows with top-k/top-p/min-p (temperature > 0, top_p > 0).
+    Returns:
+        [S] int64 token ids on the logits' device; -1 where a filtered row needs the exact
+        reference; rows in neither list are left uninitialised.
+    """
+    S, V = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("logits must be contiguous along the vocabulary")
+    dev = logits.device
+    cfg = CONFIG
+    chunk = min(cfg["chunk"], max(cfg["block"], _pow2(V)))
+    NS = triton.cdiv(V, chunk)
+    SP = _pow2(NS)
+    wcap = cfg["wcap"]
+    precise = dev.type == "cuda" and libdevice is not None and os.environ.get("TRITON_INTERPRET") != "1"
+    stride = logits.stride(0)
+    out = torch.empty(S, dtype=torch.int64, device=dev)
+    P, F = plain_rows.numel(), filt_rows.numel()
+    f32 = torch.float32
+    pval = torch.empty(max(P, 1) * NS, dtype=f32, device=dev)
+    pidx = torch.empty(max(P, 1) * NS, dtype=torch.int32, device=dev)
+    if P:
+        _plain_kernel[(P, NS)](logits, stride, V, plain_rows, fprm, iprm, pval, pidx, NS,
+                               CHUNK=chunk, BLOCK=cfg["block"], num_warps=4)
+    L = len(STAGE1_DEPTHS)
+    if F:
+        ints = torch.empty(F * (4 + 2 * NS * L + 2 * NS + 1), dtype=torch.int32, device=dev)
+        plani, pcnt1, pcnt2, pn, pib, wcnt = ints.split([4 * F, F * NS * L, F * NS * L, F * NS, F * NS, F])
+        flts = torch.empty(F * (8 + L + 2 * NS * L + 2 + 2 * NS), dtype=f32, device=dev)
+        planf, sub, pmass1, pmass2, win, pmax, pyb = flts.split(
+            [8 * F, F * L, F * NS * L, F * NS * L, 2 * F, F * NS, F * NS])
+        longs = torch.empty(2 * F * NS, dtype=torch.int64, device=dev)
+        pmhi, pw = longs.split([F * NS, F * NS])
+        wz = torch.empty(F * wcap, dtype=f32, device=dev)
+        wid = torch.empty(F * wcap, dtype=torch.int32, device=dev)
+        depths = _depths(dev)
+        grid = (F, NS)
+        _max_kernel[grid](logits, stride, V, filt_rows, pmax, wcnt, NS, CHUNK=chunk, BLOCK=cfg["block"],
+                          num_warps=4)
+        sb = cfg["stats_block"]
+        for stage in (1, 2):
+            _stats_kernel[grid](logits, stride, V, filt_rows, fprm, iprm, pmax, depths, pcnt1, pmass1,
+                                planf, plani, sub, pcnt2, pmass2, NS, wcap, STAGE=stage, L=L, SP=SP,
+                                CHUNK=chunk, BLOCK=sb, num_warps=8)
+        _collect_kernel[grid](logits, stride, V, filt_rows, fprm, iprm, pmax, planf, plani, sub, pcnt2, pmass2,
+                              win, wz, wid, wcnt, pn, pmhi, pw, pyb, pib, NS, wcap, L=L, SP=SP, CHUNK=chunk,
+                              BLOCK=cfg["block"], PRECISE=precise, num_warps=4)
+    else:
+        wcnt = pmax = win = wz = wid = pn = pmhi = pw = pyb = pib = pval  # unused placeholders
+    if P or F:
+        _resolve_kernel[(F + P,)](out, filt_rows, plain_rows, fprm, iprm, pmax, win, wz, wid, wcnt, pn, pmhi,
+                                  pw, pyb, pib, pval, pidx, F, NS, NS, WCAP=wcap, SP=SP, SPP=SP,
+                                  PRECISE=precise, num_warps=16 if wcap >= 4096 else 4)
+    return out
+
+
+def raw_logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor, n: int):
+    """Log-probabilities of the raw distribution (``log_softmax(logits[rows])``) without [R, V] copies.
+
+    Args:
+        logits: [S, V] float32/bfloat16/float16, last dimension contiguous.
+        rows: [R] int64 rows of ``logits``; chosen: [R] int64 chosen token per row; n: top-n >= 0.
+    Returns:
+        (chosen logprob [R] float32, rank [R] int64 = 1 + number of larger logits,
+        top-n logprobs [R, n] float32 best first, their ids [R, n] int64).
+    """
+    S, V = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("logits must be contiguous along the vocabulary")
+    R, dev = rows.numel(), logits.device
+    chunk = min(4096, _pow2(V))
+    NS = triton.cdiv(V, chunk)
+    f = torch.empty(R * NS * (2 + n), dtype=torch.float32, device=dev)
+    pmax, psum, cval = f.split([R * NS, R * NS, R * NS * n])
+    ints = torch.empty(R * NS * (1 + n), dtype=torch.int32, device=dev)
+    pcnt, cid = ints.split([R * NS, R * NS * n])
+    _logprob_kernel[(R, NS)](logits, logits.stride(0), V, rows, chosen, pmax, psum, pcnt, cval, cid, NS, n,
+                             CHUNK=chunk, num_warps=8)
+    pmax, psum = pmax.view(R, NS), psum.view(R, NS)
+    top = pmax.max(dim=1, keepdim=True).values
+    lse = top + torch.log((psum * torch.exp(pmax - top)).sum(dim=1, keepdim=True))
+    xc = logits[rows, chosen].float()[:, None]
+    ranks = pcnt.view(R, NS).sum(dim=1) + 1
+    if n:
+        vals, pos = cval.view(R, NS * n).topk(n, dim=1)
+        ids = cid.view(R, NS * n).gather(1, pos).long()
+        top_lp = vals - lse
+    else:
+        ids = torch.empty(R, 0, dtype=torch.int64, device=dev)
+        top_lp = torch.empty(R, 0, device=dev)
+    return (xc - lse).squeeze(1), ranks, top_lp, ids

@@ -6,7 +6,12 @@ first timed cold (nothing cached), then a second request with the same prefix an
 question is timed warm (the prefix's full blocks come from the cache). TTFT is measured from
 `generate_async` to the first streamed token. Prints the medians and the speed-up.
 
+The engine runs as configured by default: CUDA graphs on, so the cached request's small prefill step
+replays a prefill graph (`kvpilot.cuda_graphs.PrefillGraphs`). For an A/B run of that step eagerly,
+set ``KVPILOT_PREFILL_GRAPHS=0`` (decode graphs stay on); the table says which graphs were captured.
+
     python3 benchmarks/gpu_prefix_cache.py --out $OUT       # GPU
+    KVPILOT_PREFILL_GRAPHS=0 python3 benchmarks/gpu_prefix_cache.py --out $OUT   # GPU, prefill eager
     .venv/bin/python benchmarks/gpu_prefix_cache.py --tiny   # CPU dry run
 """
 
@@ -53,6 +58,9 @@ def main() -> None:
         write_random_llama(path, cfg, dtype=torch.float32 if args.tiny else torch.bfloat16, device=device)
     llm = LLM(str(path), skip_tokenizer_init=True, device=device, max_seq_len=8192,
               kv_cache_config=KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=0.5))
+    runner = llm._executor
+    pg, dg = getattr(runner, "prefill_graphs", None), getattr(runner, "graphs", None)
+    graphs = f"{len(dg.graphs) if dg else 0} decode + {len(pg.graphs) if pg else 0} prefill"
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     vocab = cfg["vocab_size"]
@@ -79,13 +87,14 @@ def main() -> None:
         "cold_ttft_s": cold, "warm_ttft_s": warm,
         "cold_median_s": statistics.median(cold), "warm_median_s": statistics.median(warm),
         "speedup": statistics.median(cold) / statistics.median(warm), "cache_hit_rate": hit_rate,
+        "cuda_graphs": graphs,
     }
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "prefix_cache.json").write_text(json.dumps(result, indent=1))
-    print("| device | prefix | cold TTFT median | cached-prefix TTFT median | speed-up |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| {result['device']} | {args.prefix_len} | {result['cold_median_s'] * 1e3:.1f} ms | "
+    print("| device | CUDA graphs | prefix | cold TTFT median | cached-prefix TTFT median | speed-up |")
+    print("|---|---|---:|---:|---:|---:|")
+    print(f"| {result['device']} | {graphs} | {args.prefix_len} | {result['cold_median_s'] * 1e3:.1f} ms | "
           f"{result['warm_median_s'] * 1e3:.1f} ms | {result['speedup']:.1f}x |")
 
 

@@ -186,6 +186,24 @@ def pointwise_cases(copy_gbs, rows):
     add("write_kv_cache", f"{t} tok", bench(lambda: K.write_kv_cache_triton(kk, vv, kc, vc, slots)),
         4 * t * KV_HEADS * HEAD_DIM * BYTES, err)  # fmt: skip
 
+    # Fused rotary + KV write on views of one QKV output (what the decode layer runs).
+    qkv = torch.randn(t, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DT)
+    views = lambda x: (  # noqa: E731
+        x[:, : HEADS * HEAD_DIM].view(t, HEADS, HEAD_DIM),
+        x[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(t, KV_HEADS, HEAD_DIM),
+        x[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(t, KV_HEADS, HEAD_DIM),
+    )
+    for c in (kr, vr, kc, vc):
+        c.zero_()
+    q_ref = K.rotary_write_kv_cache_ref(*views(qkv.clone()), pos, cache, kr, vr, slots)
+    qf, kf, vf = views(qkv.clone())
+    q_out = K.rotary_write_kv_cache_triton(qf, kf, vf, pos, cache, kc, vc, slots)
+    err = max(rel_err(q_out, q_ref), rel_err(kc, kr), 0.0 if torch.equal(vc, vr) else float("inf"))
+    qf, kf, vf = views(qkv)
+    add("rotary_write_kv_cache", f"{t} tok", bench(
+        lambda: K.rotary_write_kv_cache_triton(qf, kf, vf, pos, cache, kc, vc, slots)),
+        2 * t * HEADS * HEAD_DIM * BYTES + 4 * t * KV_HEADS * HEAD_DIM * BYTES + t * HEAD_DIM * 4, err)  # fmt: skip
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

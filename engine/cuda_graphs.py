@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (one new token per sequence), captured at padded batch sizes.
+"""CUDA graphs for decode-only steps (`DecodeGraphs`) and for steps with a prefill chunk (`PrefillGraphs`).
 
 A decode step of a large model at small batch is dozens of small kernels per layer; launching them
 one by one from Python costs more than the GPU needs to run them. Each graph here replays the whole
@@ -21,6 +21,16 @@ as vLLM and TensorRT-LLM do:
 
 ``lm_head_in_graph`` (default True, ``KVPILOT_LM_HEAD_IN_GRAPH=0`` to change) puts the final
 projection inside the graph; measured on an H200 in docs/gpu_benchmarks.md.
+
+`PrefillGraphs` covers steps with at least one prefill chunk (alone or mixed with decodes) of up to
+256 tokens by default (``KVPILOT_PREFILL_GRAPH_TOKENS``; at most ``max_num_tokens``), padded to a
+token bucket (`default_token_buckets`, which says why 256); larger steps are GPU-bound for an 8B
+model and run eagerly. Each bucket of ``T`` tokens has a fixed sequence count
+``min(T, max_batch_size)``; padded tokens write no KV (slot ``-1``), padded sequences have empty query
+ranges, and the prefill attention kernel's grid is a bound from these shapes (its programs find
+their tile on the device). The graph ends at the final hidden states ``[T, hidden]`` in a static
+buffer; the LM head then runs eagerly over the sampled rows only. Both kinds of graphs share one
+memory pool, the prefill graphs (the larger) captured first (`capture_all`).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,7 +60,57 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """Device hooks shared by the graph sets; a test subclass replaces them to run the host logic on CPU."""
+
+    _needs_cuda = True
+
+    def __init__(self, runner: "ModelRunner") -> None:
+        if runner.device.type != "cuda" and self._needs_cuda:
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.runner = runner
+        self.graphs: dict = {}  # key -> graph with replay()
+        self.capture_seconds = 0.0
+
+    @staticmethod
+    def _host_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, pin_memory=True)
+
+    @staticmethod
+    def _new_event():
+        return torch.cuda.Event()
+
+    def _num_sms(self) -> int:
+        return torch.cuda.get_device_properties(self.runner.device).multi_processor_count
+
+    @staticmethod
+    def _capture_resources():
+        return torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+
+    @staticmethod
+    def _sync() -> None:
+        torch.cuda.synchronize()
+
+    @staticmethod
+    def _reserved_bytes() -> int:
+        return torch.cuda.memory_reserved()
+
+    def _body(self, *key) -> None:
+        raise NotImplementedError
+
+    def _capture_one(self, key: tuple, pool, stream) -> torch.cuda.CUDAGraph:
+        # Warm up outside capture: Triton compiles on first launch, which a capture cannot contain.
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._body(*key)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool, stream=stream):
+            self._body(*key)
+        return g
+
+
+class DecodeGraphs(_GraphSet):
     """Captured decode graphs of one `ModelRunner` (CUDA only).
 
     Args:
@@ -60,9 +121,7 @@ class DecodeGraphs:
 
     def __init__(self, runner: "ModelRunner", batch_sizes: list[int] | None = None,
                  lm_head_in_graph: bool | None = None) -> None:
-        if runner.device.type != "cuda" and self._needs_cuda:
-            raise ValueError("CUDA graphs need a CUDA device")
-        self.runner = runner
+        super().__init__(runner)
         self.batch_sizes = sorted(batch_sizes or default_batch_sizes(runner.max_batch_size))
         if lm_head_in_graph is None:
             lm_head_in_graph = os.environ.get("KVPILOT_LM_HEAD_IN_GRAPH", "1") not in ("0", "false", "False")
@@ -96,40 +155,6 @@ class DecodeGraphs:
         self.out = torch.zeros(self.max_bs, out_dim, dtype=out_dtype, device=dev)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch, context bound) -> graph with replay()
         self.buckets: dict[int, list[int]] = {}
-        self.capture_seconds = 0.0
-
-    # ---- device hooks (a test subclass replaces these to run the host logic on CPU) -----------------
-    _needs_cuda = True
-
-    @staticmethod
-    def _host_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(n, dtype=dtype, pin_memory=True)
-
-    @staticmethod
-    def _new_event():
-        return torch.cuda.Event()
-
-    def _num_sms(self) -> int:
-        return torch.cuda.get_device_properties(self.runner.device).multi_processor_count
-
-    @staticmethod
-    def _capture_resources():
-        return torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-
-    @staticmethod
-    def _sync() -> None:
-        torch.cuda.synchronize()
-
-    def _capture_one(self, b: int, ctx: int, pool, stream) -> torch.cuda.CUDAGraph:
-        # Warm up outside capture: Triton compiles on first launch, which a capture cannot contain.
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._body(b, ctx)
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool, stream=stream):
-            self._body(b, ctx)
-        return g
 
     # ---- capture -----------------------------------------------------------------------------
     def _context_buckets(self, batch: int) -> list[int]:
@@ -151,8 +176,12 @@ class DecodeGraphs:
             self.out[:b].copy_(hidden)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every (batch size, context bucket) graph, largest first so smaller ones reuse its pool."""
+    def capture(self, pool=None, stream=None) -> None:
+        """Capture every (batch size, context bucket) graph, largest first so smaller ones reuse its pool.
+
+        ``pool``/``stream``: a graph memory pool and capture stream shared with other graph sets
+        (default: new ones).
+        """
         t0 = time.perf_counter()
         mb = self._mb
         # Dummy inputs: padding rows everywhere (no KV write, nothing attended).
@@ -161,11 +190,12 @@ class DecodeGraphs:
         self._h32[:] = 0
         self._dev64.copy_(self._host64)
         self._dev32.copy_(self._host32)
-        pool, stream = self._capture_resources()
+        if pool is None:
+            pool, stream = self._capture_resources()
         for b in reversed(self.batch_sizes):
             self.buckets[b] = self._context_buckets(b)
             for ctx in reversed(self.buckets[b]):
-                self.graphs[(b, ctx)] = self._capture_one(b, ctx, pool, stream)
+                self.graphs[(b, ctx)] = self._capture_one((b, ctx), pool, stream)
         self._sync()
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs (batch sizes %d..%d, lm head %s graph) in %.1f s",
@@ -232,3 +262,212 @@ class DecodeGraphs:
         if self.lm_head_in_graph:
             return self.out[:n]
         return r.model.compute_logits(self.out[:n])
+
+
+DEFAULT_PREFILL_GRAPH_TOKENS = 256
+
+
+def default_token_buckets(max_num_tokens: int, cap: int = DEFAULT_PREFILL_GRAPH_TOKENS) -> list[int]:
+    """Padded token counts of the prefill graphs: 16, 32, 64, 96, 128, every 32 to 512, every 64 beyond.
+
+    The list stops at ``min(cap, max_num_tokens)``, which is always the last bucket. Below about 128
+    tokens a step of an 8B model is bound by its weight read, so padding there is nearly free;
+    above, GPU time grows with the tokens and padding costs in proportion (at most 32 tokens up to
+    512, 64 beyond).
+
+    Why ``cap`` defaults to 256 (Llama-3.1-8B shape, 32 layers, one H200, across four hosts;
+    benchmarks/gpu_mixed_graphs.py): a 256-token step took 7.6-7.9 ms from its graph against
+    12-21 ms eagerly, and 64 tokens on a 4,000-token cached prefix 7.0 ms against 13-29 ms (eager time
+    depends on the host CPU); but a 575-token mixed step is GPU-bound (about 17 ms either way,
+    0.95-1.19x), and with graphs up to 1,024 tokens offline throughput at 256 concurrent requests
+    (200 in / 200 out: steps of a few hundred tokens) was 2-5% lower than without them, the
+    padding's cost. Smaller models and slower host CPUs move the break-even point up; raise the cap
+    with ``KVPILOT_PREFILL_GRAPH_TOKENS`` there.
+    """
+    top = max(1, min(cap, max_num_tokens))
+    sizes = [16, 32, 64, 96, *range(128, 513, 32), *range(576, max(cap, 576) + 1, 64)]
+    return [t for t in sizes if t < top] + [top]
+
+
+def prefill_graph_tokens() -> int:
+    """``KVPILOT_PREFILL_GRAPH_TOKENS`` (default 256): the largest step, in tokens, a prefill graph covers.
+
+    Raises:
+        ValueError: the variable is not a positive integer.
+    """
+    raw = os.environ.get("KVPILOT_PREFILL_GRAPH_TOKENS", str(DEFAULT_PREFILL_GRAPH_TOKENS))
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError(f"KVPILOT_PREFILL_GRAPH_TOKENS must be a positive integer, got {raw!r}")
+    return int(raw)
+
+
+class PrefillGraphs(_GraphSet):
+    """Captured graphs of steps that prefill (a chunk of two or more tokens, maybe mixed with decodes).
+
+    Bucket ``T`` runs a step of at most ``T`` tokens and ``min(T, max_batch_size)`` sequences (every
+    sequence has at least one token, so any step of at most ``T`` tokens fits). Prompt-logprob steps
+    (``all_logits``) run eagerly.
+
+    Args:
+        runner: a single-process runner holding the whole model (not a pipeline stage).
+        token_buckets: padded token counts to capture (default `default_token_buckets` up to
+            `prefill_graph_tokens`).
+
+    Raises:
+        ValueError: not on CUDA (unless a test double), or a bad ``KVPILOT_PREFILL_GRAPH_TOKENS``.
+    """
+
+    def __init__(self, runner: "ModelRunner", token_buckets: list[int] | None = None) -> None:
+        super().__init__(runner)
+        self.token_buckets = sorted(set(token_buckets or default_token_buckets(runner.max_num_tokens,
+                                                                                prefill_graph_tokens())))
+        self.max_tokens = self.token_buckets[-1]
+        self.max_seqs = self._seqs_for(self.max_tokens)
+        self.width = W = runner.max_blocks_per_seq
+        mt, ms = self.max_tokens, self.max_seqs
+        # One pinned byte buffer mirrored on the device, one copy per step. Every part starts on a
+        # 64-byte boundary (Triton specialises on 16-byte alignment); the block tables come last so
+        # a step copies only the rows it uses.
+        parts = (("ids", torch.int64, mt), ("pos", torch.int64, mt), ("slots", torch.int64, mt),
+                 ("rows", torch.int64, ms), ("seq_lens", torch.int32, ms), ("qsl", torch.int32, ms + 1),
+                 ("tables", torch.int32, ms * W))
+        self._offsets, off = {}, 0
+        for name, dtype, n in parts:
+            self._offsets[name] = off
+            off += -(-n * dtype.itemsize // 64) * 64
+        self._host = self._host_buffer(off, torch.uint8)
+        self._dev = torch.zeros(off, dtype=torch.uint8, device=runner.device)
+        self._copied = self._new_event()
+        self._h: dict[str, np.ndarray] = {}
+        for name, dtype, n in parts:
+            o = self._offsets[name]
+            self._h[name] = self._host[o:o + n * dtype.itemsize].view(dtype).numpy()
+            setattr(self, name, self._dev[o:o + n * dtype.itemsize].view(dtype))
+        self.tables = self.tables.view(ms, W)
+        self._h["tables"] = self._h["tables"].reshape(ms, W)
+        self.hidden = torch.zeros(mt, runner.cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+        self.graphs: dict[int, object] = {}  # padded tokens -> graph with replay()
+
+    def _seqs_for(self, tokens: int) -> int:
+        return min(tokens, self.runner.max_batch_size)
+
+    def _body(self, T: int) -> None:
+        """The captured work: forward of ``T`` padded tokens into the static hidden-state buffer."""
+        r = self.runner
+        S = self._seqs_for(T)
+        meta = AttentionMetadata(slot_mapping=self.slots[:T], block_tables=self.tables[:S],
+                                 seq_lens=self.seq_lens[:S], query_start_loc=self.qsl[:S + 1],
+                                 max_query_len=T, max_seq_len=r.max_seq_len)
+        self.hidden[:T].copy_(r._forward(self.ids[:T], self.pos[:T], meta, r.kv_caches))
+
+    @torch.inference_mode()
+    def capture(self, pool=None, stream=None) -> None:
+        """Capture every token bucket, largest first (see `DecodeGraphs.capture` for the arguments)."""
+        t0 = time.perf_counter()
+        h = self._h
+        for a in h.values():
+            a[...] = 0  # every sequence empty: nothing attended
+        h["slots"][:] = -1  # no KV write
+        self._dev.copy_(self._host)
+        if pool is None:
+            pool, stream = self._capture_resources()
+        for T in reversed(self.token_buckets):
+            self.graphs[T] = self._capture_one((T,), pool, stream)
+        self._sync()
+        self.capture_seconds = time.perf_counter() - t0
+        logger.info("captured %d prefill CUDA graphs (%d..%d tokens) in %.1f s", len(self.graphs),
+                    self.token_buckets[0], self.max_tokens, self.capture_seconds)
+
+    # ---- replay ------------------------------------------------------------------------------
+    def can_run(self, seqs: list["ScheduledSeq"]) -> bool:
+        """True for a step with a prefill chunk, at most ``max_tokens`` tokens and no ``all_logits``."""
+        if not self.graphs or not seqs or len(seqs) > self.max_seqs:
+            return False
+        tokens, longest = 0, 0
+        for s in seqs:
+            if s.all_logits or len(s.block_table) > self.width:
+                return False
+            n = len(s.token_ids)
+            tokens += n
+            longest = max(longest, n)
+        return longest > 1 and tokens <= self.max_tokens
+
+    def prepare(self, seqs: list["ScheduledSeq"]) -> tuple[int, int, list[int]]:
+        """Fill the host buffers for ``seqs``; returns (bucket T, real tokens, sampled rows)."""
+        r = self.runner
+        B, h = r.block_size, self._h
+        n = len(seqs)
+        qlens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
+        starts = np.fromiter((s.start_pos for s in seqs), np.int64, n)
+        real = int(qlens.sum())
+        T = next(t for t in self.token_buckets if t >= real)
+        S = self._seqs_for(T)
+        self._copied.synchronize()  # the previous step's copy has read the host buffers
+        qsl = np.zeros(n + 1, np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        h["qsl"][:n + 1] = qsl
+        h["qsl"][n + 1:S + 1] = real  # padded sequences: empty query ranges
+        h["seq_lens"][:n] = starts + qlens
+        h["seq_lens"][n:S] = 0
+        tables = h["tables"]
+        for i, s in enumerate(seqs):
+            tables[i, :len(s.block_table)] = s.block_table
+        seq_of_tok = np.repeat(np.arange(n), qlens)
+        pos = starts[seq_of_tok] + (np.arange(real) - qsl[:-1][seq_of_tok])
+        h["ids"][:real] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, real)
+        h["pos"][:real] = pos
+        h["slots"][:real] = tables[seq_of_tok, pos // B].astype(np.int64) * B + pos % B
+        h["ids"][real:T] = 0
+        h["pos"][real:T] = 0
+        h["slots"][real:T] = -1  # padded tokens: no KV write
+        rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+        h["rows"][:len(rows)] = rows
+        return T, real, rows
+
+    def run(self, seqs: list["ScheduledSeq"]) -> tuple[torch.Tensor, list[int]]:
+        """Replay the bucket for this step; returns (logits [R, vocab] float32, their flat-batch rows),
+        as `ModelRunner.execute`. Call only when `can_run` said yes."""
+        T, _, rows = self.prepare(seqs)
+        n = len(seqs)
+        end = self._offsets["tables"] + n * self.width * 4  # block tables of the rows in use only
+        self._dev[:end].copy_(self._host[:end], non_blocking=True)
+        self._copied.record()
+        self.graphs[T].replay()
+        model = self.runner.model
+        if not rows:
+            return torch.empty(0, self.runner.cfg.vocab_size, device=self.runner.device), []
+        return model.compute_logits(self.hidden.index_select(0, self.rows[:len(rows)])), rows
+
+
+def capture_all(runner: "ModelRunner", prefill: bool = True, decode_cls: type = DecodeGraphs,
+                prefill_cls: type = PrefillGraphs) -> tuple[DecodeGraphs | None, PrefillGraphs | None]:
+    """Capture the prefill graphs (if ``prefill``), then the decode graphs, into one memory pool.
+
+    Returns (decode graphs, prefill graphs); either is ``None`` when its capture failed, which is
+    logged as a warning (those steps then run eagerly). After a failed prefill capture the decode
+    graphs get a fresh pool. ``decode_cls``/``prefill_cls`` let tests substitute CPU doubles.
+    """
+    pool, stream = decode_cls._capture_resources()
+    reserved = decode_cls._reserved_bytes()
+    pg = dg = None
+    if prefill:
+        try:
+            pg = prefill_cls(runner)
+            pg.capture(pool, stream)
+        except Exception:  # noqa: BLE001 - serve eagerly rather than not at all
+            logger.warning("prefill CUDA graph capture failed; prefill and mixed steps will run eagerly",
+                           exc_info=True)
+            pg = None
+            decode_cls._sync()
+            pool, stream = decode_cls._capture_resources()
+    try:
+        dg = decode_cls(runner)
+        dg.capture(pool, stream)
+    except Exception:  # noqa: BLE001
+        logger.warning("decode CUDA graph capture failed; decode steps will run eagerly", exc_info=True)
+        dg = None
+    logger.info("CUDA graphs: %d decode + %d prefill in %.1f s, %.0f MB of device memory (pool and buffers)",
+                len(dg.graphs) if dg else 0, len(pg.graphs) if pg else 0,
+                (dg.capture_seconds if dg else 0) + (pg.capture_seconds if pg else 0),
+                (decode_cls._reserved_bytes() - reserved) / 1e6)
+    return dg, pg

@@ -94,9 +94,9 @@ class LlamaAttention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = K.apply_rotary(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        K.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        # One launch: rotates q (in place on CUDA), writes rotated k and v to their slots.
+        q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 self.scale, meta.max_query_len, meta.max_seq_len)
         out = self.o_proj(out.reshape(n, self.q_size))

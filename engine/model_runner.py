@@ -11,7 +11,9 @@ On CUDA (TensorRT-LLM's and vLLM's recipe):
 - the KV pool gets ``free_gpu_memory_fraction`` of the memory still free after the weights and a
   profiling forward pass of ``max_num_tokens`` tokens (``KvCacheConfig.max_tokens`` caps it);
 - decode-only steps replay CUDA graphs captured at padded batch sizes (`cuda_graphs.DecodeGraphs`);
-  prefill and mixed steps run eagerly;
+  steps with a prefill chunk of up to 256 tokens (alone or mixed with decodes;
+  ``KVPILOT_PREFILL_GRAPH_TOKENS``) replay graphs captured at padded token counts
+  (`cuda_graphs.PrefillGraphs`); larger steps and prompt-logprob steps run eagerly;
 - inputs are built with numpy in pinned host buffers and sent with one asynchronous copy, so the
   only device-to-host synchronisation per step is the sampler reading the chosen token ids.
 """
@@ -72,9 +74,24 @@ def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's element type: the model's for "auto", ``torch.float8_e4m3fn`` for "fp8"."""
+    if kv_dtype == "auto":
+        return model_dtype
+    if kv_dtype == "fp8":
+        return K.FP8_KV_DTYPE
+    return _DTYPES[kv_dtype]
+
+
 def cuda_graphs_enabled() -> bool:
     """``KVPILOT_CUDA_GRAPHS`` (default 1): set to 0 to run every step eagerly (debugging)."""
     return os.environ.get("KVPILOT_CUDA_GRAPHS", "1") not in ("0", "false", "False", "no")
+
+
+def prefill_graphs_enabled() -> bool:
+    """``KVPILOT_PREFILL_GRAPHS`` (default 1): set to 0 to run prefill and mixed steps eagerly while
+    decode steps keep their graphs (A/B benchmarks). ``KVPILOT_CUDA_GRAPHS=0`` turns off both."""
+    return os.environ.get("KVPILOT_PREFILL_GRAPHS", "1") not in ("0", "false", "False", "no")
 
 
 class _Staging:
@@ -118,7 +135,8 @@ class ModelRunner:
 
     Attributes set for reports: ``weight_bytes``, ``load_seconds``, ``free_bytes_for_kv`` (free memory
     after weights and profiling, before the fraction), ``profile_peak_bytes``, ``num_blocks``,
-    ``bytes_per_block``, ``graphs`` (a `DecodeGraphs` or None).
+    ``bytes_per_block``, ``graphs`` (a `DecodeGraphs` or None), ``prefill_graphs`` (a
+    `PrefillGraphs` or None).
 
     Raises:
         MemoryError: no room for even one KV block.
@@ -155,7 +173,7 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         logger.info("loaded %s (%.1f MB, %s, %s) in %.1f s", model_dir, self.weight_bytes / 1e6, self.dtype,
                     self.device, self.load_seconds)
-        kv_dtype = self.dtype if kv_config.dtype == "auto" else _DTYPES[kv_config.dtype]
+        kv_dtype = resolve_kv_dtype(kv_config.dtype, self.dtype)
         self.kv_dtype = kv_dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads if len(model.layers) else 1
         self.free_bytes_for_kv = 0.0
@@ -167,16 +185,12 @@ class ModelRunner:
         logger.info("KV pool: %d blocks x %d tokens (%.1f MB)", self.num_blocks, self.block_size,
                     self.num_blocks * self.bytes_per_block / 1e6)
         self.graphs = None
+        self.prefill_graphs = None
         single = (pc is None or pc.tp_size == 1) and model.is_first and model.is_last
         if self.device.type == "cuda" and single and cuda_graphs_enabled():
-            from .cuda_graphs import DecodeGraphs
+            from .cuda_graphs import capture_all
 
-            try:
-                self.graphs = DecodeGraphs(self)
-                self.graphs.capture()
-            except Exception:  # serve eagerly (slower) rather than not at all
-                logger.exception("CUDA graph capture failed; decode steps will run eagerly")
-                self.graphs = None
+            self.graphs, self.prefill_graphs = capture_all(self, prefill=prefill_graphs_enabled())
 
     @property
     def bytes_per_block(self) -> int:
@@ -299,11 +313,13 @@ class ModelRunner:
         """Run one step. Returns (logits [R, vocab] float32 for the sampled rows, their flat-batch rows).
 
         Rows are in schedule order: a sequence with ``sample`` contributes one row (its last token);
-        one with ``all_logits`` contributes one row per computed token. On a CUDA-graph step the
-        logits are a view of a static buffer, valid until the next ``execute``.
+        one with ``all_logits`` contributes one row per computed token. On a decode CUDA-graph step
+        the logits are a view of a static buffer, valid until the next ``execute``.
         """
         if self.graphs is not None and self.graphs.can_run(seqs):
             return self.graphs.run(seqs), list(range(len(seqs)))
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(seqs):
+            return self.prefill_graphs.run(seqs)
         ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
         hidden = self._forward(ids, pos, meta, self.kv_caches)
         if not sample_idx:
@@ -314,7 +330,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop graphs, KV pool and weights so their device memory can be reused in this process."""
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.kv_caches = []
         self.model = None
         if self.device.type == "cuda":

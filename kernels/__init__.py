@@ -1,5 +1,8 @@
 """Kernels of the kvpilot engine: paged attention, KV-cache write, RMSNorm, rotary, SiLU-and-mul.
 
+``rotary_write_kv_cache`` fuses rotary embedding with the KV-cache write (one launch per layer
+instead of two); the engine's attention layer calls it.
+
 Every op exists in three names:
 
 - ``<op>_ref``: plain PyTorch (``kernels/reference.py``); what the engine runs on CPU.
@@ -21,10 +24,13 @@ import logging
 import torch
 
 from .reference import (
+    FP8_KV_DTYPE,
+    FP8_KV_MAX,
     apply_rotary_ref,
     build_rope_cache,
     paged_attention_ref,
     rms_norm_ref,
+    rotary_write_kv_cache_ref,
     silu_and_mul_ref,
     write_kv_cache_ref,
 )
@@ -32,6 +38,8 @@ from .reference import (
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "FP8_KV_DTYPE",
+    "FP8_KV_MAX",
     "write_kv_cache",
     "write_kv_cache_ref",
     "write_kv_cache_triton",
@@ -44,6 +52,9 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_ref",
     "apply_rotary_triton",
+    "rotary_write_kv_cache",
+    "rotary_write_kv_cache_ref",
+    "rotary_write_kv_cache_triton",
     "build_rope_cache",
     "silu_and_mul",
     "silu_and_mul_ref",
@@ -90,6 +101,16 @@ def rms_norm_triton(x, weight, eps, residual=None):
 def apply_rotary_triton(q, k, positions, cos_sin_cache):
     """Triton version of :func:`~kvpilot.kernels.reference.apply_rotary_ref`; rotates in place."""
     return _triton_impl("pointwise", "apply_rotary_triton")(q, k, positions, cos_sin_cache)
+
+
+def rotary_write_kv_cache_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Triton version of :func:`~kvpilot.kernels.reference.rotary_write_kv_cache_ref`, one launch.
+
+    Rotates ``q`` in place and returns it; writes rotated ``k`` and ``v`` to the cache.
+    """
+    return _triton_impl("kv_cache", "rotary_write_kv_cache_triton")(
+        q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )
 
 
 def silu_and_mul_triton(x):
@@ -139,6 +160,32 @@ def apply_rotary(q, k, positions, cos_sin_cache):
     """
     fn = apply_rotary_triton if _use_triton(q) else apply_rotary_ref
     return fn(q, k, positions, cos_sin_cache)
+
+
+def rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
+    """Rotary embedding of q and k plus the KV-cache write of rotated k and v, in one op.
+
+    Triton on CUDA (one launch; ``q`` rotated in place), reference otherwise. Callers must use the
+    returned queries. See :func:`~kvpilot.kernels.reference.rotary_write_kv_cache_ref` for shapes
+    and errors.
+    """
+    if not _use_triton(q):
+        return rotary_write_kv_cache_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    global _fused_rotary_failed
+    if not _fused_rotary_failed:
+        try:
+            return rotary_write_kv_cache_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+        except Exception:  # noqa: BLE001 - e.g. a Triton version that cannot compile it
+            # The first call is the runner's profiling pass, before any CUDA graph is captured, so
+            # the switch happens once, up front. The two-launch pair computes the same values.
+            logger.warning("fused rotary + KV-cache write kernel failed; using the two-kernel path", exc_info=True)
+            _fused_rotary_failed = True
+    q, k = apply_rotary_triton(q, k, positions, cos_sin_cache)
+    write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+_fused_rotary_failed = False
 
 
 def silu_and_mul(x):

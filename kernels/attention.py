@@ -2,12 +2,18 @@
 
 Two kernels (docs/kernels.md has the details):
 
-- ``_prefill_kernel``: one program per (sequence, tile of ``BLOCK_Q`` queries, kv head). The rows
-  of the program's tile are (query, head-in-group) pairs, so the query heads that share a kv head
-  read each K/V tile once. Flash-attention online softmax over the cache, gathered page by page
-  through the block table, with the causal limit of the tile's last query. Used whenever
-  ``max_query_len > 1``; the decodes of such a mixed batch are one-query tiles. (Sending them to
-  the decode kernel instead cost two extra launches and measured slower on an H200.)
+- ``_prefill_kernel``: one program per (work tile, kv head). Sequence ``i`` has
+  ``cdiv(q_len_i, BLOCK_Q)`` query tiles; the tiles of all sequences form one flat list, and each
+  program finds its (sequence, query tile) from ``query_start_loc`` on the device. The grid is an
+  upper bound computed from shapes (`prefill_max_tiles`), so one launch serves any batch of the
+  same padded size: CUDA graphs of prefill and mixed steps replay it, and programs past the last
+  tile exit at once. The rows of a tile are (query, head-in-group) pairs, so the query heads that
+  share a kv head read each K/V tile once. Flash-attention online softmax over the cache,
+  gathered page by page through the block table, with the causal limit of the tile's last query.
+  Used whenever ``max_query_len > 1``; the decodes of such a mixed batch are one-query tiles.
+  (Sending them to the decode kernel instead cost two extra launches and measured slower on an
+  H200.) Small steps split each tile's context (`prefill_num_splits`), merged by
+  ``_prefill_reduce_kernel``.
 - ``_decode_kernel`` + ``_reduce_kernel``: decode-only batches (``max_query_len == 1``). One program
   per (sequence, kv head, context split); the whole GQA group is one tile. With more than one split
   (flash-decoding, for long contexts and few sequences) each program writes a normalised partial
@@ -44,14 +50,44 @@ TUNING = {
         "programs_per_sm": 4,
         "no_split_per_sm": 2,
     },
-    "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+    "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
+                "programs_per_sm": 4},
 }
+# Sequences per step of the prefill kernel's tile lookup (it scans query_start_loc in chunks): one
+# step for the default 256-sequence batches, so programs past the last tile exit after one load.
+_SEQ_CHUNK = 256
 
 
 @triton.jit
+def _prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.constexpr):
+    """Work tile ``t`` of the flat tile list -> (its sequence, its query tile there, number of tiles).
+
+    Sequence ``i`` owns ``cdiv(q_len_i, BLOCK_Q)`` consecutive tiles (none for ``q_len 0``). The
+    prefix sums are taken here from ``query_start_loc`` in chunks of ``SEQ_CHUNK`` sequences, so the
+    map needs no host-side data and the grid depends on shapes only (CUDA-graph safe).
+    """
+    seq = 0  # sequences whose tiles all come before t
+    before = 0  # their tiles
+    total = 0
+    for c in range(0, num_seqs, SEQ_CHUNK):
+        i = c + tl.arange(0, SEQ_CHUNK)
+        ok = i < num_seqs
+        lo = tl.load(qsl_ptr + i, mask=ok, other=0)
+        hi = tl.load(qsl_ptr + i + 1, mask=ok, other=0)
+        n_tiles = tl.where(ok, (hi - lo + BLOCK_Q - 1) // BLOCK_Q, 0)
+        end = tl.cumsum(n_tiles, 0) + total  # one past each sequence's last tile
+        done = end <= t
+        seq += tl.sum(done.to(tl.int32), 0)
+        before += tl.sum(tl.where(done, n_tiles, 0), 0)
+        total += tl.sum(n_tiles, 0)
+    return seq, t - before, total
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_seqs,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -60,14 +96,17 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SEQ_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    # Programs walk the tile list backwards: the last tiles of a sequence see the most keys, and
+    # starting them first shortens the tail of the launch. Programs past the last tile exit first.
+    t = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq, q_tile, num_tiles = _prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q, SEQ_CHUNK)
+    if t >= num_tiles:
+        return
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
@@ -92,10 +131,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # The tile's last query bounds the keys any of its rows may see.
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    if NUM_SPLITS == 1:
+        kv_lo = 0
+        kv_hi = kv_end
+    else:  # split `split` of the context, in whole BLOCK_N tiles
+        per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = tl.program_id(2) * per
+        kv_hi = tl.minimum(kv_end, kv_lo + per)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_lo, kv_hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < kv_end
+        n_ok = n < kv_hi
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = n % BLOCK_SIZE
         k = tl.load(
@@ -106,6 +152,8 @@ def _prefill_kernel(
         )  # fmt: skip
         if DOT_FP32:
             k = k.to(tl.float32)
+        else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         allowed = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -123,15 +171,48 @@ def _prefill_kernel(
         )  # fmt: skip
         if DOT_FP32:
             v = v.to(tl.float32)
+        else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_ok[:, None] & d_ok[None, :],
-    )
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
+    else:
+        # part_out: [num_tokens, NUM_HEADS, NUM_SPLITS, HEAD_DIM_PAD]; part_lse: [.., NUM_SPLITS].
+        # Every split writes every row of its tile: an empty one (past the context, or before
+        # the row's first visible key) writes log2-sum-exp -inf, which the reduction skips.
+        row = (token * NUM_HEADS + head) * NUM_SPLITS + tl.program_id(2)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=row_ok[:, None])
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(part_lse_ptr + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _prefill_reduce_kernel(
+    out_ptr, part_out_ptr, part_lse_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """Merge the context splits of one (token, head) of `_prefill_kernel`. Tokens no sequence
+    covers read unwritten partials and produce garbage rows (allowed: padding)."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_PAD)
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + sp
+    lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
+    ok = lse > float("-inf")  # split 0 always holds key 0, so a real row has one
+    w = tl.where(ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    w = w / tl.sum(w, 0)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    part = tl.load(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -192,6 +273,8 @@ def _decode_kernel(
         )  # fmt: skip
         if DOT_FP32:
             k = k.to(tl.float32)
+        else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
+            k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every split has at least one valid key, so m_new is finite.
@@ -207,6 +290,8 @@ def _decode_kernel(
         )  # fmt: skip
         if DOT_FP32:
             v = v.to(tl.float32)
+        else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -259,8 +344,53 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def _device_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 4  # TRITON_INTERPRET=1 on CPU: any small number exercises the split path
+
+
 def _pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(n))
+
+
+def prefill_block_q(group: int) -> tuple[int, int]:
+    """(queries, rows) of one prefill tile for a GQA group of ``group`` query heads per kv head.
+
+    A tile has ``BLOCK_M`` rows (``TUNING["prefill"]["block_m"]``, at least one group) holding
+    ``BLOCK_M // group`` queries times the whole group. (Smaller tiles for small steps did not
+    help: every tile still walks the whole context; see `prefill_num_splits`.)
+    """
+    block_m = max(TUNING["prefill"]["block_m"], triton.next_power_of_2(group))
+    return block_m // group, block_m
+
+
+def prefill_num_splits(num_tokens: int, block_q: int, num_kv_heads: int, sms: int) -> int:
+    """Context splits of the prefill kernel, from shapes only (so a CUDA graph's launch stays valid).
+
+    A step of few tokens is few (query tile, kv head) programs, each walking the whole cached
+    context: 64 new tokens on a 4,000-token prefix are 32 programs of 64 K/V tiles each on an H200's
+    132 SMs. When ``cdiv(num_tokens, block_q) * num_kv_heads`` is under half the SMs, each tile's
+    context is cut into up to ``TUNING["prefill"]["max_splits"]`` pieces (about
+    ``programs_per_sm`` programs per SM, as for decode), merged by `_prefill_reduce_kernel`.
+    """
+    cfg = TUNING["prefill"]
+    programs = triton.cdiv(num_tokens, block_q) * num_kv_heads
+    if 2 * programs >= sms:
+        return 1
+    return max(1, min(cfg.get("max_splits", 16), triton.cdiv(cfg.get("programs_per_sm", 4) * sms, programs)))
+
+
+def prefill_max_tiles(num_tokens: int, num_seqs: int, max_query_len: int, block_q: int) -> int:
+    """Upper bound of the prefill kernel's work tiles (grid axis 0), from shapes and host bounds only.
+
+    Sequence ``i`` needs ``cdiv(q_len_i, block_q)`` tiles; summed, that is at most
+    ``sum(q_len) // block_q`` full tiles plus one partial tile per sequence, and at most
+    ``num_seqs * cdiv(max_query_len, block_q)``. A CUDA graph passes its padded token count, its
+    padded sequence count and ``max_query_len = num_tokens``, so the bound holds for any batch that
+    fits the graph; the kernel's programs past the real tile count exit at once.
+    """
+    return max(1, min(num_seqs * triton.cdiv(max_query_len, block_q), num_tokens // block_q + num_seqs))
 
 
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -270,10 +400,7 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torc
     reached only 67% of copy bandwidth on an H200), while splitting a batch that already fills the
     GPU costs ~10% (the reduction); see docs/kernels.md.
     """
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    else:  # TRITON_INTERPRET=1 on CPU: any small number exercises the split path
-        sms = 4
+    sms = _device_sms(device)
     cfg = TUNING["decode"]
     programs = max(1, num_seqs * num_kv_heads)
     if programs >= cfg["no_split_per_sm"] * sms:
@@ -299,9 +426,16 @@ def paged_attention_triton(
 
     ``max_query_len``/``max_seq_len`` must be true upper bounds (they size the grid; no device
     sync happens here). Decode-only batches (``max_query_len == 1``) take the split-K decode
-    kernel, all others the prefill kernel; ``num_splits`` overrides the decode split heuristic
-    (tests use it). The innermost dimension of ``q`` and of the caches must be contiguous. Tokens
-    not covered by ``query_start_loc`` get zeros.
+    kernel, all others the prefill kernel; ``num_splits`` overrides either kernel's context-split
+    heuristic (tests use it). The prefill launch depends only on shapes and these bounds, so a
+    CUDA graph captured at padded sizes (padded tokens, sequences with empty query ranges,
+    ``max_query_len`` = padded token count) replays it for any batch that fits. The innermost
+    dimension of ``q`` and of the caches must be contiguous.
+
+    The output is allocated with ``torch.empty``: rows of tokens that no sequence covers
+    (``t >= query_start_loc[-1]``, the padding of a CUDA graph) are left unwritten and may hold
+    any value, NaN included. Callers must not read them (the engine never samples them, and every
+    later op of the model is row-wise, so they cannot leak into real rows).
 
     Raises:
         ValueError: on inconsistent shapes or a non-contiguous innermost dimension.
@@ -314,7 +448,7 @@ def paged_attention_triton(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    out = torch.zeros_like(q)
+    out = torch.empty_like(q)  # rows no sequence covers (padding) stay unwritten
     if num_seqs == 0 or num_tokens == 0 or max_query_len <= 0:
         return out
     seq_lens = seq_lens.to(torch.int32)
@@ -335,17 +469,30 @@ def paged_attention_triton(
 
     if max_query_len > 1:
         cfg = TUNING["prefill"]
-        block_m = max(cfg["block_m"], triton.next_power_of_2(group))
-        block_q = block_m // group
+        block_q, block_m = prefill_block_q(group)
         block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
-        grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
-        _prefill_kernel[grid](
-            q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
-            scale_log2, *common_strides,
+        tiles = prefill_max_tiles(num_tokens, num_seqs, max_query_len, block_q)
+        splits = num_splits or prefill_num_splits(num_tokens, block_q, num_kv_heads, _device_sms(q.device))
+        if splits > 1:
+            part_out = torch.empty(num_tokens * num_heads * splits, head_dim_pad, dtype=torch.float32,
+                                   device=q.device)
+            part_lse = torch.empty(num_tokens * num_heads * splits, dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused
+        _prefill_kernel[(tiles, num_kv_heads, splits)](
+            q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
+            scale_log2, num_seqs, *common_strides,
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
             BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, DOT_FP32=dot_fp32,
+            SEQ_CHUNK=_SEQ_CHUNK, NUM_HEADS=num_heads, NUM_SPLITS=splits,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
+        if splits > 1:
+            _prefill_reduce_kernel[(num_tokens, num_heads)](
+                out, part_out, part_lse, out.stride(0), out.stride(1),
+                NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=1,
+            )  # fmt: skip
         return out
 
     splits = num_splits or _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)

@@ -12,17 +12,34 @@ import triton.language as tl
 
 from .reference import _check_rms_norm_args, _check_rotary_args
 
+TUNING = {
+    # Up to this many rows RMSNorm issues its weight load together with x (see _rms_norm_kernel):
+    # a decode batch's norm is one DRAM round trip instead of two. Above it, plain loads (the
+    # weight then comes from L1/L2 for most rows anyway).
+    "rms_norm_early_weight_max_rows": 64,
+}
+"""Launch heuristics of the row-wise kernels (benchmarks may override them)."""
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, eps,
     stride_x, stride_r, stride_y, stride_h,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EARLY_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if EARLY_WEIGHT:
+        # Few rows (decode): the kernel is latency-bound. ptxas otherwise issues the weight load only
+        # after x has arrived (two DRAM round trips); volatile loads keep program order, so w and x
+        # (and the residual) are in flight together. Volatile reads skip L1, which costs nothing
+        # here: each program reads each element once.
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0, volatile=True)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0, volatile=True)
+    else:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         # Round the sum to the model dtype, as HF adds residuals in that dtype.
@@ -31,7 +48,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = normed.to(tl.float32) * w.to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -64,6 +80,7 @@ def rms_norm_triton(
             x, res, weight, y, h, float(eps),
             x.stride(0), res.stride(0), y.stride(0), h.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+            EARLY_WEIGHT=num_tokens <= TUNING["rms_norm_early_weight_max_rows"],
             num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
     return y if residual is None else (y, h)

@@ -27,6 +27,7 @@ __all__ = [
     "paged_attention_ref",
     "rms_norm_ref",
     "apply_rotary_ref",
+    "rotary_write_kv_cache_ref",
     "build_rope_cache",
     "silu_and_mul_ref",
 ]
@@ -65,8 +66,10 @@ def write_kv_cache_ref(
     """Scatter new keys/values into the paged KV cache, in place.
 
     Args:
-        k, v: ``[num_tokens, num_kv_heads, head_dim]``, any float dtype (cast to the cache dtype).
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``, any float dtype (cast to the cache dtype,
+            see `to_cache_dtype`).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; a 16/32-bit float
+            dtype, or ``torch.float8_e4m3fn`` (FP8 KV cache).
         slot_mapping: ``[num_tokens]`` int64 or int32; token ``t`` goes to slot
             ``slot_mapping[t] = block_id * block_size + offset``. ``-1`` marks a padded token that is
             skipped (vLLM's convention, used by CUDA-graph padding).
@@ -84,8 +87,24 @@ def write_kv_cache_ref(
         raise ValueError(f"slot {int(slots.max())} out of range for a cache of {num_slots} slots")
     # Advanced indexing on (block, offset) works for non-contiguous caches too, unlike a flat view.
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(k[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(v[valid], v_cache.dtype)
+
+
+FP8_KV_DTYPE = torch.float8_e4m3fn
+"""The FP8 KV-cache element type (``KvCacheConfig(dtype="fp8")``): E4M3, largest finite value 448."""
+FP8_KV_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """Cast keys/values to the cache's dtype; into FP8 with saturation at +-448 (scale 1.0).
+
+    FP8 caches store K/V unscaled (a per-tensor scale of 1.0, vLLM's default for ``kv_cache_dtype
+    fp8`` without calibrated scales); values beyond E4M3's range are clamped, not turned to NaN.
+    """
+    if cache_dtype == FP8_KV_DTYPE:
+        x = x.float().clamp(-FP8_KV_MAX, FP8_KV_MAX)
+    return x.to(cache_dtype)
 
 
 def _gather_kv(
@@ -149,8 +168,9 @@ def paged_attention_ref(
 
     Query ``j`` of sequence ``i`` (``q_len = qsl[i+1] - qsl[i]``) sits at position
     ``seq_lens[i] - q_len + j`` and attends to cache positions ``0..position`` (inclusive). Query head
-    ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA). Tokens not covered by any
-    sequence (``t >= qsl[-1]``) get zeros.
+    ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA). Rows of tokens not covered by
+    any sequence (``t >= qsl[-1]``, e.g. CUDA-graph padding) are unspecified: this reference writes
+    zeros, the Triton kernels leave them unwritten (any value, NaN included).
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; accumulation is fp32.
@@ -308,6 +328,47 @@ def apply_rotary_ref(
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     return rot(q), rot(k)
+
+
+def rotary_write_kv_cache_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of ``q`` and ``k``, then the KV-cache write of rotated ``k`` and ``v``.
+
+    Exactly :func:`apply_rotary_ref` followed by :func:`write_kv_cache_ref` (the fused Triton kernel
+    does both in one launch). ``q``, ``k``, ``v`` are typically strided views of one fused QKV
+    projection output ``[num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]``.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``.
+        k, v: ``[num_tokens, num_kv_heads, head_dim]``.
+        positions: ``[num_tokens]`` int64 (int32 accepted), absolute token positions.
+        cos_sin_cache: ``[max_positions, head_dim]`` float32 from :func:`build_rope_cache`.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, written in place.
+        slot_mapping: ``[num_tokens]`` int64 (int32 accepted); ``-1`` skips the token's write.
+
+    Returns:
+        The rotated queries ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``: a new tensor here,
+        ``q`` itself (rotated in place) in the Triton version, so callers must use the result. ``k``
+        and ``v`` are never modified; the cache receives ``rotate(k)`` rounded to ``k.dtype``, then
+        cast to the cache dtype.
+
+    Raises:
+        ValueError: on mismatched shapes, an odd ``head_dim``, or a slot outside
+            ``[-1, num_blocks * block_size)``.
+    """
+    _check_rotary_args(q, k, positions, cos_sin_cache)
+    _check_write_args(k, v, k_cache, v_cache, slot_mapping)
+    q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
+    write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
 
 
 def _check_rotary_args(q, k, positions, cos_sin_cache) -> None:

@@ -1,5 +1,6 @@
-"""The model runner's CUDA path: graph replay equals eager, stories260K golden and HF parity on a GPU;
-the graphs' host-side logic (padding, context buckets, slots) on CPU with fake graphs."""
+"""The model runner's CUDA path: decode and prefill/mixed graph replay equal eager, stories260K golden
+and HF parity on a GPU; the decode graphs' host-side logic (padding, context buckets, slots) on CPU
+with fake graphs (the prefill graphs' is in test_prefill_graphs.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
+from graph_helpers import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.model_runner import ScheduledSeq
 
@@ -45,6 +47,65 @@ def test_graph_replay_matches_eager(tiny_dir, dtype, tol):
             assert err < tol, (n, ctx, float(err))
 
 
+def _mixed_seqs(specs, block: int) -> list[ScheduledSeq]:
+    """(tokens, start, sample) triples -> sequences with disjoint block tables."""
+    seqs, nxt = [], 0
+    for i, (n, start, sample) in enumerate(specs):
+        nb = -(-(start + n) // block)
+        seqs.append(ScheduledSeq(100 + i, [(11 * i + j) % 380 + 3 for j in range(n)], start,
+                                 list(range(nxt, nxt + nb)), sample))
+        nxt += nb
+    return seqs
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_prefill_graph_replay_matches_eager(tiny_dir, dtype, tol, monkeypatch):
+    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "512")  # above the 256 default: larger buckets too
+    with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", dtype=dtype, max_batch_size=24,
+             max_num_tokens=512, max_seq_len=256, kv_cache_config=KvCacheConfig(max_tokens=16384)) as llm:
+        runner = llm._executor
+        pg = runner.prefill_graphs
+        assert runner.graphs is not None and pg is not None
+        assert pg.token_buckets == [16, 32, 64, 96] + list(range(128, 513, 32)) and pg.max_seqs == 24
+        torch.manual_seed(0)
+        for cache in runner.kv_caches:  # non-zero cached prefixes
+            cache.normal_()
+        cases = [
+            [(5, 0, True)],  # short prompt: bucket 16
+            [(40, 100, True)] + [(1, 7 * i + 3, True) for i in range(20)],  # chunk on a cached prefix + decodes
+            [(200, 0, False), (60, 33, True)] + [(1, 150 + i, True) for i in range(22)],  # 2 chunks + 22 decodes
+            [(250, 0, True), (2, 64, True)],  # 252 tokens: bucket 256
+            [(64, 190, True)],  # a full bucket, block-aligned cached prefix
+        ]
+        for spec in cases:
+            seqs = _mixed_seqs(spec, runner.block_size)
+            assert pg.can_run(seqs)
+            graph, rows = runner.execute(seqs)
+            graph = graph.clone()
+            runner.prefill_graphs = None
+            eager, eager_rows = runner.execute(seqs)
+            runner.prefill_graphs = pg
+            assert rows == eager_rows and graph.shape == eager.shape == (len(rows), 384)
+            err = (graph - eager).norm() / eager.norm()
+            assert err < tol, (spec[:2], float(err))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_prefill_graphs_env_switch(tiny_dir, monkeypatch):
+    monkeypatch.setenv("KVPILOT_PREFILL_GRAPHS", "0")
+    with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", max_batch_size=4, max_seq_len=256,
+             kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
+        assert llm._executor.graphs is not None and llm._executor.prefill_graphs is None
+    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "0")
+    monkeypatch.delenv("KVPILOT_PREFILL_GRAPHS")
+    with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", max_batch_size=4, max_seq_len=256,
+             kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
+        assert llm._executor.graphs is None and llm._executor.prefill_graphs is None
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_stories_golden_on_gpu(stories_model_dir):
@@ -66,43 +127,16 @@ def test_random_checkpoint_matches_transformers_on_gpu(tiny_dir):
     assert [o.outputs[0].token_ids for o in out] == expected
 
 
-class _CpuGraphs:
-    """`DecodeGraphs` with its device hooks replaced: "replay" re-runs the captured body eagerly on
-    the static buffers, so the host-side logic (padding, buckets, slots, copies) runs on CPU."""
-
-    @staticmethod
-    def make(runner, **kw):
-        from kvpilot.cuda_graphs import DecodeGraphs
-
-        class Fake(DecodeGraphs):
-            _needs_cuda = False
-            _host_buffer = staticmethod(lambda n, dtype: torch.zeros(n, dtype=dtype))
-            _new_event = staticmethod(lambda: type("E", (), {"record": lambda s: None, "synchronize": lambda s: None})())
-            _capture_resources = staticmethod(lambda: (None, None))
-            _sync = staticmethod(lambda: None)
-
-            def _num_sms(self):
-                return 4  # with 2 KV heads: batches 1..3 get context buckets
-
-            def _capture_one(self, b, ctx, pool, stream):
-                self.captured.append((b, ctx))
-                return type("G", (), {"replay": lambda s: self._body(b, ctx)})()
-
-        g = Fake.__new__(Fake)
-        g.captured = []
-        Fake.__init__(g, runner, **kw)
-        return g
-
-
 @pytest.mark.parametrize("lm_head_in_graph", [True, False])
 def test_decode_graph_host_logic_on_cpu(tiny_dir, lm_head_in_graph, monkeypatch):
     import kvpilot.cuda_graphs as cg
+    from kvpilot.cuda_graphs import DecodeGraphs
 
     monkeypatch.setattr(cg, "_CONTEXT_BUCKETS", (64, 128))
     with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cpu", max_batch_size=20, max_seq_len=256,
              kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=8192)) as llm, torch.inference_mode():
         runner = llm._executor
-        g = _CpuGraphs.make(runner, lm_head_in_graph=lm_head_in_graph)
+        g = cpu_graph_class(DecodeGraphs)(runner, lm_head_in_graph=lm_head_in_graph)
         assert g.batch_sizes == [1, 2, 4, 8, 16, 20]
         g.capture()
         assert g.buckets[1] == g.buckets[2] == [64, 128, 256] and g.buckets[4] == [256]

@@ -107,6 +107,72 @@ def test_paged_attention_triton_split_k_decode(num_splits, dtype, q_lens):
     torch.testing.assert_close(out.cpu(), ref, **_tol(dtype))
 
 
+import triton  # noqa: E402 - after the importorskip above
+import triton.language as tl  # noqa: E402
+
+from kvpilot.kernels import attention as attention_mod  # noqa: E402
+
+
+@triton.jit
+def _tile_probe(qsl_ptr, out_ptr, num_seqs, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.constexpr):
+    t = tl.program_id(0)
+    seq, q_tile, total = attention_mod._prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q, SEQ_CHUNK)
+    tl.store(out_ptr + 3 * t, seq)
+    tl.store(out_ptr + 3 * t + 1, q_tile)
+    tl.store(out_ptr + 3 * t + 2, total)
+
+
+@pytest.mark.parametrize("seq_chunk", [4, 64])
+def test_prefill_tile_map(seq_chunk):
+    """The device-side tile map: tile t of the flat list is (its sequence, its query tile there), in
+    sequence order, q_len-0 sequences own no tile, and the grid bound covers the worst case."""
+    block_q = 4
+    q_lens = [0, 5, 1, 4, 0, 0, 9, 1, 1, 12, 3, 0]  # 12 sequences: three chunks of 4
+    expected = [(i, j) for i, ql in enumerate(q_lens) for j in range(-(-ql // block_q))]
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    grid = attention_mod.prefill_max_tiles(sum(q_lens), len(q_lens), max(q_lens), block_q)
+    assert grid >= len(expected)
+    out = torch.full((grid, 3), -7, dtype=torch.int32, device=DEVICE)
+    _tile_probe[(grid,)](qsl.to(DEVICE), out, len(q_lens), BLOCK_Q=block_q, SEQ_CHUNK=seq_chunk)
+    out = out.cpu()
+    assert out[:, 2].tolist() == [len(expected)] * grid
+    assert [tuple(r) for r in out[: len(expected), :2].tolist()] == expected
+    # Worst case of the bound: every sequence one query past a full tile.
+    for n, ql in ((7, block_q + 1), (3, 1), (1, 64)):
+        tiles = n * -(-ql // block_q)
+        assert attention_mod.prefill_max_tiles(n * ql, n, ql, block_q) >= tiles
+    # Context splits from shapes (8B: 16-query tiles, 8 kv heads, 132 SMs): only small steps split.
+    assert attention_mod.prefill_block_q(4) == (16, 64)
+    splits = {t: attention_mod.prefill_num_splits(t, 16, 8, 132) for t in (16, 64, 128, 256, 2048)}
+    assert splits == {16: 16, 64: 16, 128: 9, 256: 1, 2048: 1}
+    # A graph passes its padded sizes (16 tokens, 16 sequences, max_query_len 16); the batches it
+    # may hold include one 16-token sequence (4 tiles) and eight 2-token sequences (8 tiles).
+    assert attention_mod.prefill_max_tiles(16, 16, 16, block_q) >= 8
+
+
+@pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.bfloat16, 3), (torch.float32, 5)])
+def test_paged_attention_triton_graph_padding(dtype, splits):
+    """A CUDA-graph-shaped prefill batch: padded tokens no sequence covers, padded sequences with
+    q_len 0 and seq_len 0, max_query_len = padded token count.
+    Real rows match the reference; padding rows are not read. ``splits`` forces context splits (the
+    path of small steps on a GPU; 5 splits leave some empty for the short contexts here)."""
+    q_lens = [1] * 8 + [7, 1, 19] + [1] * 6
+    ctx_lens = [(5 * i) % 23 for i in range(len(q_lens))]
+    ctx_lens[8], ctx_lens[10] = 16, 3  # chunks on a cached prefix (one block-aligned)
+    q, kc, vc, bt, sl, qsl, _, _ = make_paged_batch(q_lens, ctx_lens, 4, 2, 32, 8, dtype)
+    real, tokens, seqs = int(qsl[-1]), 48, 24
+    q = torch.cat([q, torch.full((tokens - real, 4, 32), float("nan"), dtype=dtype)])
+    pad = seqs - len(q_lens)
+    sl_p = torch.cat([sl, torch.zeros(pad, dtype=torch.int32)])
+    qsl_p = torch.cat([qsl, torch.full((pad,), real, dtype=torch.int32)])
+    bt_p = torch.cat([bt, torch.zeros(pad, bt.shape[1], dtype=torch.int32)])
+    ref = paged_attention_ref(q[:real], kc, vc, bt, sl, qsl, 0.2, max(q_lens), int(sl.max()))
+    qd, kcd, vcd, btd, sld, qsld = _to(DEVICE, q, kc, vc, bt_p, sl_p, qsl_p)
+    out = paged_attention_triton(qd, kcd, vcd, btd, sld, qsld, 0.2, tokens, 64, num_splits=splits)
+    assert out.shape == q.shape and not torch.isnan(out[:real]).any()
+    torch.testing.assert_close(out[:real].cpu(), ref, **_tol(dtype))
+
+
 def test_write_kv_cache_triton_matches_reference():
     torch.manual_seed(0)
     for block_size, kv_heads, head_dim, dtype in [(16, 2, 64, torch.float32), (32, 4, 128, torch.bfloat16)]:

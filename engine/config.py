@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
+"""Accepted values of `KvCacheConfig.dtype`."""
+
+
 @dataclass
 class KvCacheConfig:
     """How the paged KV cache is sized and reused (TensorRT-LLM's `KvCacheConfig` fields).
@@ -19,7 +23,9 @@ class KvCacheConfig:
             On CPU it applies to ``KVPILOT_CPU_KVCACHE_GB`` (default 4 GiB), as vLLM's CPU backend
             does with its KV-cache space setting.
         enable_block_reuse: reuse cached full blocks of a shared prompt prefix (chained block hash).
-        dtype: "auto" (the model's dtype) or a torch dtype name ("bfloat16", "float16", "float32").
+        dtype: "auto" (the model's dtype), "fp8" (FP8 E4M3 keys and values, unscaled and saturated
+            at +-448: half the bytes per token of a 16-bit cache; TensorRT-LLM's name), or a torch
+            dtype name ("bfloat16", "float16", "float32").
         tokens_per_block: tokens in one KV block (the page size).
         max_tokens: optional cap on the pool, in tokens (rounded down to whole blocks).
     """
@@ -38,8 +44,8 @@ class KvCacheConfig:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < self.tokens_per_block):
             raise ValueError(f"max_tokens must be an integer >= tokens_per_block ({self.tokens_per_block}), "
                              f"got {self.max_tokens}")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32"):
-            raise ValueError(f"dtype must be one of auto, bfloat16, float16, float32, got {self.dtype!r}")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"dtype must be one of auto, fp8, bfloat16, float16, float32, got {self.dtype!r}")
 
 
 @dataclass

@@ -291,3 +291,30 @@ def test_no_owner_reference_without_uid():
 def test_impossible_shape_is_rejected():
     with pytest.raises(InvalidLLMDeployment, match="fill whole nodes"):
         render(cr(tensor=4, pipeline=3))
+
+
+def test_rendered_engine_args_parse_with_kvpilot_serve():
+    """The flags the operator renders must be ones `kvpilot serve` accepts, with the CR's values:
+    a flag the server does not know would crash every engine pod at start."""
+    import argparse
+
+    from kvpilot.server.cli import _engine_kwargs, configure_parser
+
+    engine = {"maxSeqLen": 8192, "maxBatchSize": 64, "maxNumTokens": 4096, "dtype": "bfloat16",
+              "kvCache": {"freeGpuMemoryFraction": 0.85, "enableBlockReuse": False, "dtype": "fp8",
+                          "tokensPerBlock": 64}}
+    for kv_overrides in ({}, {"enableBlockReuse": True, "dtype": "auto"}):
+        spec_engine = dict(engine, kvCache=dict(engine["kvCache"], **kv_overrides))
+        objects = render(cr({"engine": spec_engine}, tensor=2))
+        validate_all(objects)
+        args = objects[0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[0] == "serve"
+        parser = argparse.ArgumentParser()
+        configure_parser(parser)
+        kw = _engine_kwargs(parser.parse_args(args[1:]))
+        kv = kw["kv_cache_config"]
+        want_kv = spec_engine["kvCache"]
+        assert (kw["tensor_parallel_size"], kw["max_seq_len"], kw["max_batch_size"], kw["max_num_tokens"],
+                kw["dtype"]) == (2, 8192, 64, 4096, "bfloat16")
+        assert (kv.free_gpu_memory_fraction, kv.enable_block_reuse, kv.dtype, kv.tokens_per_block) == (
+            0.85, want_kv["enableBlockReuse"], want_kv["dtype"], 64)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import uvicorn
 
+from ..config import KV_CACHE_DTYPES
 from .app import create_app
 from .chat_template import load_chat_template
 from .state import ServerState
@@ -37,7 +38,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
                         help="fraction of the GPU memory left after loading that the KV cache takes")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in tokens")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="disable KV block reuse across requests")
+    parser.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse cached KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="same as --no-enable-block-reuse (vLLM's flag name)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), ...")
     parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
     parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
@@ -58,7 +64,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from .. import KvCacheConfig
 
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
-                       enable_block_reuse=not args.no_prefix_caching, tokens_per_block=args.tokens_per_block)
+                       enable_block_reuse=args.enable_block_reuse and not args.no_prefix_caching,
+                       tokens_per_block=args.tokens_per_block, dtype=args.kv_cache_dtype)
     return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype)

@@ -1,0 +1,12 @@
+"""``kvpilot.llmapi``: the names TensorRT-LLM's examples import from ``tensorrt_llm.llmapi``.
+
+Code written for TensorRT-LLM (``from tensorrt_llm.llmapi import KvCacheConfig``) ports by renaming
+the package. The objects are the same as ``kvpilot``'s top-level ones.
+"""
+
+from .config import KvCacheConfig
+from .llm import LLM
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "RequestOutput", "SamplingParams"]

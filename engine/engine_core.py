@@ -323,7 +323,8 @@ class EngineCore:
             if want_lp is None and p.num_candidates > p.n:
                 want_lp = 0  # best_of needs each token's log-probability
             row = seq.sampling_row = SamplingRow(
-                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=seq.seed,
+                temperature=0.0 if p.greedy else p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                seed=seq.seed,
                 logprobs=want_lp, repetition_penalty=p.repetition_penalty,
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,

@@ -137,6 +137,12 @@ class LLM:
             bad_ids = [t for t in ids_ if not 0 <= t < vocab]
             if bad_ids:
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab}): {bad_ids[:5]}")
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            banned_early = set(params.bad_token_ids) | set(params.stop_token_ids) | (
+                {params.end_id} if params.end_id is not None else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= banned_early:
+                raise ValueError("allowed_token_ids holds only end-of-sequence, stop or bad token ids, which "
+                                 f"min_tokens ({params.min_tokens}) bans: no token could be generated")
         if params.bad_words and self.tokenizer is not None:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
         rid = next(_request_ids)

@@ -91,7 +91,7 @@ class SamplingParams:
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
         _check_float("temperature", self.temperature, low=0.0)
-        _check_int("top_k", self.top_k, low=-1)
+        _check_int("top_k", self.top_k, low=-1, high=_MAX_ID)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
@@ -141,14 +141,18 @@ class SamplingParams:
                 _check_int(name, value, low=0, high=20)
         for name in ("end_id", "pad_id"):
             if getattr(self, name) is not None:
-                _check_int(name, getattr(self, name), low=0)
+                _check_int(name, getattr(self, name), low=0, high=_MAX_ID)
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.bad_token_ids):
             raise ValueError("allowed_token_ids and bad_token_ids leave no token that can be generated")
 
     @property
     def greedy(self) -> bool:
-        """True when decoding picks the arg-max token (``temperature == 0``)."""
-        return self.temperature == 0.0
+        """True when decoding picks the arg-max token: ``temperature`` below `SAMPLING_EPS` (1e-5).
+
+        vLLM's rule: dividing float32 logits by a tinier temperature overflows to +-inf (garbage
+        draws below about 1e-38), while the distribution is already a point mass well before that.
+        """
+        return self.temperature < SAMPLING_EPS
 
     @property
     def num_candidates(self) -> int:
@@ -161,6 +165,14 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls) if not f.name.startswith("_")}
+
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this decode greedily (vLLM's ``_SAMPLING_EPS``)."""
+
+_MAX_ID = 2**31 - 1
+"""Upper bound of token-id-like integer fields (top_k, end_id, pad_id): the sampler holds them in
+int32/int64 device tensors, and no vocabulary comes near it."""
 
 
 def _check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:

@@ -239,6 +239,7 @@ BAD_REQUESTS = [
     ("/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/completions", {"prompt": "x", "stop": 3}, 400, "stop", "stop must be"),
     ("/completions", {"prompt": "x", "top_k": -5}, 400, "top_k", "top_k must be"),
+    ("/completions", {"prompt": "x", "top_k": 2 ** 63}, 400, "top_k", "top_k must be"),
     ("/completions", {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias", "token ids"),
     ("/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/completions", {"prompt": "x", "seed": 2 ** 70}, 400, "seed", "seed must be in"),

@@ -38,7 +38,7 @@ from .kv_cache_manager import KVCacheManager
 from .model_runner import ScheduledSeq
 from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
 from .beam_search import BeamSearch
-from .sampler import Sampler, SamplingRow
+from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence
 from .stats import FinishedRequestStats, IterationStats, KvCacheStats
@@ -158,11 +158,15 @@ class EngineCore:
             except Exception:
                 logger.exception("dropping the last step's outputs of %d sequences", len(pending))
         for req in list(self.requests.values()):
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq)
-                    seq.finish_reason = "abort"
-            self._finish_request(req, [], error=RequestError(f"engine error: {error!r}"))
+            self._fail_request(req, RequestError(f"engine error: {error!r}"))
+
+    def _fail_request(self, req: Request, error: RequestError) -> None:
+        """End one request with ``error``: its open sequences are finished ("abort") and freed."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        self._finish_request(req, [], error=error)
 
     def _finish_request(self, req: Request, deltas: list[SequenceDelta], error=None) -> None:
         self.requests.pop(req.request_id, None)
@@ -252,7 +256,7 @@ class EngineCore:
         sampled: list[_Sampled] = []
         if sample_seqs:
             sel = logits[torch.tensor(sample_rows, device=logits.device)] if row != len(sample_rows) else logits
-            out = self._sample(sel, rows)
+            out = self._sample(sel, rows, sample_seqs)
             for i, seq in enumerate(sample_seqs):
                 if seq.is_finished:
                     continue  # finished by the output work that ran while it was sampled: dropped
@@ -275,7 +279,7 @@ class EngineCore:
                     self._finish_outputs(done)
         return self._stats(t0, sched, num_prompt_tokens, len(sampled), num_context)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]):
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence]):
         """Sample ``logits`` ([S, V] float32); the pending output work runs while the device works.
 
         A sampler may offer ``launch(logits, rows) -> handle`` (every device operation queued, no
@@ -285,12 +289,40 @@ class EngineCore:
         anyway; the caller drops their tokens.
         """
         launch = getattr(self.sampler, "launch", None)
-        if launch is None:
-            return self.sampler(logits, rows)  # the output work already ran, right after execute
-        handle = launch(logits, rows)
-        if self._pending:
-            self._overlapped_outputs()
-        return handle.finish()
+        try:
+            if launch is None:
+                return self.sampler(logits, rows)  # the output work already ran, right after execute
+            handle = launch(logits, rows)
+            if self._pending:
+                self._overlapped_outputs()
+            return handle.finish()
+        except Exception as e:  # noqa: BLE001 - isolate the request(s) that caused it
+            return self._sample_rows_apart(logits, rows, seqs, e)
+
+    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence],
+                           error: Exception) -> SamplerOutput:
+        """After the batched sampler raised: sample row by row, and fail only the requests whose own
+        row raises (their tokens are then dropped by the caller), so that one request's parameters
+        can never fail every request in flight. If every row samples alone, the batch error was not
+        a row's: it is re-raised (the engine loop then fails what is in flight)."""
+        out = SamplerOutput([0] * len(rows), [None] * len(rows), [None] * len(rows))
+        failed = False
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if seq.is_finished:
+                continue
+            try:
+                one = self.sampler(logits[i:i + 1], [row])
+            except Exception as e:  # noqa: BLE001
+                failed = True
+                logger.warning("request %d: sampling failed (%r); failing this request only",
+                               seq.request.request_id, e)
+                self._fail_request(seq.request, RequestError(f"sampling failed: {e!r}"))
+                continue
+            out.token_ids[i], out.logprobs[i], out.top_logprobs[i] = (
+                one.token_ids[0], one.logprobs[0], one.top_logprobs[0])
+        if not failed:
+            raise error
+        return out
 
     def _overlapped_outputs(self) -> None:
         self._finish_outputs(self._take_pending())

@@ -84,3 +84,59 @@ def test_allowed_token_ids_never_violated_when_min_tokens_bans_them(llm):
     except ValueError:
         return
     assert set(out.outputs[0].token_ids) <= {eos}, out.outputs[0].token_ids
+
+
+def test_a_row_the_sampler_rejects_fails_only_its_own_request(llm, monkeypatch):
+    """Defence in depth for parameters validation missed: when the batched sampler raises, rows are
+    sampled one by one and only the request whose row raises fails; the others keep their text."""
+    core = llm._core
+    real = core.sampler
+
+    class Picky:
+        def __call__(self, logits, rows):
+            if any(r.seed == 777 for r in rows):
+                raise OverflowError("a parameter the sampler cannot hold")
+            return real(logits, rows)
+
+    monkeypatch.setattr(core, "sampler", Picky())
+    victim_params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    want = llm.generate("Once upon a time", victim_params, use_tqdm=False)
+
+    async def main():
+        victim = llm.generate_async("Once upon a time", victim_params)
+        await asyncio.sleep(0.02)
+        bad = llm.generate_async("Tom", SamplingParams(temperature=1.0, seed=777, max_tokens=4))
+        with pytest.raises(RequestError, match="sampling failed"):
+            await bad
+        return await victim
+
+    victim = asyncio.run(main())
+    assert victim.outputs[0].token_ids == want.outputs[0].token_ids  # every step, the failing one too
+    # The engine keeps serving, and holds no blocks once idle.
+    again = llm.generate("Once upon a time", victim_params, use_tqdm=False)
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    monkeypatch.setattr(core, "sampler", real)
+    llm.generate("Tom", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    stats = llm.get_stats(timeout=2.0)
+    assert stats[-1]["kvCacheStats"]["usedNumBlocks"] == 0
+
+
+def test_a_batch_error_no_single_row_reproduces_still_fails_the_step(llm, monkeypatch):
+    """If every row samples fine alone, the error was not a request's: it is not hidden (the step
+    fails as before, and the engine keeps serving afterwards)."""
+    core = llm._core
+    real = core.sampler
+    calls = {"n": 0}
+
+    class BatchOnly:
+        def __call__(self, logits, rows):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("device error")
+            return real(logits, rows)
+
+    monkeypatch.setattr(core, "sampler", BatchOnly())
+    with pytest.raises(RequestError, match="device error"):
+        llm.generate("Once", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    monkeypatch.setattr(core, "sampler", real)
+    assert llm.generate("Once", SamplingParams(temperature=0, max_tokens=3), use_tqdm=False).outputs[0].token_ids

@@ -41,7 +41,9 @@ def copy_bandwidth() -> float:
     return 2 * n * 10 / (time.perf_counter() - t)
 
 
-def build_runner(layers: int, max_seq_len: int, max_batch_size: int):
+def build_runner(layers: int, max_seq_len: int, max_batch_size: int, kv_dtype: str = "auto",
+                 free_gpu_memory_fraction: float = 0.5):
+    """A `ModelRunner` of Llama-3.1-8B's shape (``layers`` layers) with random weights on the GPU."""
     from transformers import LlamaConfig
 
     import kvpilot.model_runner as mr
@@ -66,7 +68,8 @@ def build_runner(layers: int, max_seq_len: int, max_batch_size: int):
 
     mr.load_weights = random_weights
     mcfg = ModelConfig.from_dir(path)
-    return mr.ModelRunner(path, mcfg, KvCacheConfig(free_gpu_memory_fraction=0.5), max_num_tokens=8192,
+    kv = KvCacheConfig(free_gpu_memory_fraction=free_gpu_memory_fraction, dtype=kv_dtype)
+    return mr.ModelRunner(path, mcfg, kv, max_num_tokens=8192,
                           max_batch_size=max_batch_size, max_seq_len=max_seq_len, device="cuda", dtype="bfloat16")
 
 

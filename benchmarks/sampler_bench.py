@@ -1,7 +1,7 @@
 """Micro-benchmark of the batched sampler (engine/sampler.py) at serving batch sizes, self-checking.
 
 Times `Sampler(backend)(logits, rows)` (on CUDA by default the Triton kernels of
-kvpilot.kernels.sampling, which the engine uses with ``KVPILOT_TRITON_SAMPLER=1``) for a
+kvpilot.kernels.sampling, the engine's default there) for a
 [batch, vocab] float32 logits matrix under common settings, median of ``--iters`` calls after
 warm-up, synchronising the device around each call (the sampler ends with a device->host copy
 anyway). Every scenario runs on two logits distributions:
@@ -15,19 +15,34 @@ Before timing, each scenario is checked: the fast path must choose exactly the t
 ``Sampler("exact")`` (stable full sort, the reference semantics) for the same inputs at three
 output positions; on CUDA the PyTorch candidate path (``Sampler("torch")``) is checked too. The
 ``exact rows`` column counts rows per call that the fast path handed to the exact path (window
-over capacity; expected 0). The script exits with status 1 on any mismatch.
+over capacity; expected 0). The penalties scenario also checks the processed logits against a
+direct per-row formula (HF repetition penalty over prompt + output, OpenAI frequency/presence over
+the output, logit bias), and on CUDA the Triton penalty kernel against the PyTorch path (bit for
+bit). Its timed calls each append one token to every row's output, as decoding does (the counts
+are then updated incrementally). The script exits with status 1 on any mismatch.
+
+On CUDA two more columns show the host side: ``host ms`` is how long ``Sampler.launch`` (every
+device operation queued, nothing read back) keeps the host busy while the GPU is still working on
+~50 ms of earlier work, i.e. the sampler's host overhead; ``syncs`` counts synchronising CUDA calls
+per call (``torch.cuda.set_sync_debug_mode``; expected 1: the final read). ``launch waited`` flags a
+launch that did not return before that earlier work ended (a hidden synchronisation, e.g. an
+upload from pageable memory).
 
 Run (GPU):  python3 benchmarks/sampler_bench.py                  (batch 256, vocab 128256)
 Run (CPU):  .venv/bin/python benchmarks/sampler_bench.py --device cpu --batch 16 --vocab 32000
+Host overhead on a CPU (kernels nearly free at a tiny vocabulary):
+            .venv/bin/python benchmarks/sampler_bench.py --device cpu --batch 256 --vocab 256
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -105,6 +120,39 @@ def _time(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def _host_launch(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], iters: int,
+                 before=None) -> tuple[float, bool]:
+    """(median ms that ``sampler.launch`` keeps the host busy while the GPU still runs ~50 ms of
+    earlier work, whether any launch returned only after that work had ended). CUDA only."""
+    times, waited = [], False
+    for _ in range(iters):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time at 2 GHz, queued ahead of the sampler
+        busy = torch.cuda.Event()
+        busy.record()
+        t0 = time.perf_counter()
+        pending = sampler.launch(logits, rows)
+        times.append(time.perf_counter() - t0)
+        waited |= busy.query()
+        pending.finish()
+    return statistics.median(times) * 1e3, waited
+
+
+def _syncs_per_call(fn) -> int:
+    """Synchronising CUDA calls made by one ``fn()`` (PyTorch's sync debug mode warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
 def _check(logits: torch.Tensor, rows: list[SamplingRow], fast: Sampler, refs: list[Sampler]) -> tuple[int, float]:
     """Rows whose token differs between ``fast`` and each reference, over three output positions;
     also the mean number of rows per call that ``fast`` handed to the exact path."""
@@ -122,6 +170,47 @@ def _check(logits: torch.Tensor, rows: list[SamplingRow], fast: Sampler, refs: l
     return bad, statistics.mean(handed)
 
 
+def _penalties_reference(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The logit bias and penalties by their definitions, row by row (slow, obviously right)."""
+    out = logits.clone()
+    V = logits.shape[1]
+    for i, r in enumerate(rows):
+        x = out[i]
+        for t, b in (r.logit_bias or {}).items():
+            x[t] += b
+        seen = torch.tensor(sorted(set(r.prompt_token_ids or []) | set(r.output_token_ids)), dtype=torch.int64,
+                            device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / r.repetition_penalty, v * r.repetition_penalty)
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.int64, device=x.device),
+                                minlength=V).float()
+        x -= r.frequency_penalty * counts + r.presence_penalty * (counts > 0).float()
+    return out
+
+
+def _check_penalties(logits: torch.Tensor, rows: list[SamplingRow], triton: bool) -> int:
+    """Rows whose processed logits differ from `_penalties_reference` (beyond float32 rounding), plus
+    with ``triton`` rows where the Triton penalty kernel and the PyTorch path differ at all."""
+    apply = sampler_mod.apply_penalties_and_masks
+    ref = _penalties_reference(logits, rows)
+    got = apply(logits.clone(), rows)
+    bad = int((~torch.isclose(got, ref, rtol=1e-5, atol=1e-5)).any(dim=1).sum())
+    if triton:
+        tri = apply(logits.clone(), rows, use_triton=True)
+        bad += int((tri != got).any(dim=1).sum())
+    return bad
+
+
+_STEPS = itertools.count(1)
+
+
+def _decode_one(rows: list[SamplingRow], vocab: int) -> None:
+    """Append one token to every row's output (as one decoding step does)."""
+    n = next(_STEPS)
+    for i, r in enumerate(rows):
+        r.output_token_ids.append((n * 7919 + i * 104729) % vocab)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -132,46 +221,64 @@ def main() -> None:
     ap.add_argument("--dists", default="flat,peaked")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per scenario")
     ap.add_argument("--backend", default=None, help="Sampler backend to time (default: triton on CUDA, "
-                    "which the engine uses with KVPILOT_TRITON_SAMPLER=1; auto on CPU)")
+                    "the engine's default there; auto on CPU)")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     base = torch.randn(args.batch, args.vocab, device=dev, generator=gen)
     dists = {"flat": base, "peaked": base * 4}
-    fast = Sampler(args.backend or ("triton" if dev.type == "cuda" else "auto"))
-    refs = [Sampler("exact")] + ([Sampler("torch")] if dev.type == "cuda" else [])
-    print(f"device={dev} ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}) "
-          f"batch={args.batch} vocab={args.vocab} torch={torch.__version__}")
+    fast = Sampler(args.backend or ("triton" if cuda else "auto"))
+    refs = [Sampler("exact")] + ([Sampler("torch")] if cuda else [])
+    has_launch = hasattr(fast, "launch")
+    print(f"device={dev} ({torch.cuda.get_device_name(dev) if cuda else 'cpu'}) batch={args.batch} "
+          f"vocab={args.vocab} backend={fast.backend} torch={torch.__version__}")
     print("flat = randn (std 1); peaked = 4 * randn (std 4); float32 logits; "
           f"% step = share of a {STEP_MS} ms batch-256 decode step")
-    print(f"{'scenario':20s} {'logits':7s} {'ms':>8s} {'us/row':>7s} {'% step':>7s} {'exact rows':>10s}  check")
+    extra = f" {'host ms':>8s} {'syncs':>5s}" if cuda and has_launch else ""
+    print(f"{'scenario':20s} {'logits':7s} {'ms':>8s} {'us/row':>7s} {'% step':>7s}{extra} {'exact rows':>10s}  check")
     mismatches = 0
     for kind in args.kinds.split(","):
         rows = _rows(args.batch, kind, args.vocab)
         for dist in args.dists.split(","):
             logits = dists[dist]
             bad, handed = _check(logits, rows, fast, refs)
+            if kind == "penalties":
+                bad += _check_penalties(logits, rows, fast.backend == "triton" or cuda)
             mismatches += bad
-            ms = _time(lambda: fast(logits, rows), dev, args.iters)
-            print(f"{kind:20s} {dist:7s} {ms:8.3f} {ms / args.batch * 1e3:7.2f} {ms / STEP_MS * 100:6.1f}% "
-                  f"{handed:10.1f}  {'ok' if not bad else f'MISMATCH ({bad} rows)'}", flush=True)
+            before = (lambda: _decode_one(rows, args.vocab)) if kind == "penalties" else None
+
+            def call():
+                if before is not None:
+                    before()
+                fast(logits, rows)
+
+            ms = _time(call, dev, args.iters)
+            line = f"{kind:20s} {dist:7s} {ms:8.3f} {ms / args.batch * 1e3:7.2f} {ms / STEP_MS * 100:6.1f}%"
+            note = ""
+            if cuda and has_launch:
+                host, waited = _host_launch(fast, logits, rows, max(3, args.iters // 4), before)
+                syncs = _syncs_per_call(lambda: fast(logits, rows))
+                line += f" {host:8.3f} {syncs:5d}"
+                note = " (launch waited for the GPU)" if waited else ""
+            print(f"{line} {handed:10.1f}  {'ok' if not bad else f'MISMATCH ({bad} rows)'}{note}", flush=True)
             if args.profile:
                 acts = [torch.profiler.ProfilerActivity.CPU] + (
-                    [torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+                    [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 with torch.profiler.profile(activities=acts) as prof:
                     fast(logits, rows)
-                key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+                key = "cuda_time_total" if cuda else "cpu_time_total"
                 print(prof.key_averages().table(sort_by=key, row_limit=15))
     rows = _rows(args.batch, "mixed", args.vocab)
     ms = _time(lambda: sampler_mod._Draw(rows, args.vocab).tensors(dev), dev, args.iters)
     print(f"{'host_params_mixed':20s} {'':7s} {ms:8.3f} (reference: gathering the rows' parameters on the host)")
-    if dev.type == "cuda":
+    if cuda:
         hidden = torch.randn(args.batch, 4096, device=dev, dtype=torch.bfloat16)
         head = torch.randn(args.vocab, 4096, device=dev, dtype=torch.bfloat16)
         ms = _time(lambda: (hidden @ head.T).float(), dev, args.iters)
         print(f"{'lm_head_8b_bf16':20s} {'':7s} {ms:8.3f} (reference: LM-head matmul + float cast)")
     if mismatches:
-        print(f"FAILED: {mismatches} rows differ from the exact path")
+        print(f"FAILED: {mismatches} rows differ from the reference")
         sys.exit(1)
 
 

@@ -14,7 +14,9 @@ as vLLM and TensorRT-LLM do:
   (2k, 8k, 32k tokens and ``max_seq_len``) so a short context is not split for the longest one.
 - Inputs live in one pinned host buffer mirrored by one device buffer (token ids, positions, slots
   as int64; sequence lengths, query offsets and block tables as int32) and go over in one
-  asynchronous copy per step.
+  asynchronous copy per step. Block tables come from the runner's persistent `HostBlockTables`
+  (only new blocks are written per step, then one gather), so the host work per sequence is a few
+  list reads, not a copy of its whole table.
 - All graphs share one memory pool; outputs are written into static buffers (``logits`` [max_bs,
   vocab] float32 or ``hidden`` [max_bs, hidden]) so graphs of different sizes do not each keep
   their own output memory.
@@ -35,6 +37,7 @@ memory pool, the prefill graphs (the larger) captured first (`capture_all`).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
@@ -146,6 +149,8 @@ class DecodeGraphs(_GraphSet):
         self._h64 = self._host64.numpy()
         self._h32 = self._host32.numpy()
         self._copied = self._new_event()
+        self._h_tables = self._h32[self._o_tab:].reshape(self.max_bs, self.width)
+        self._arange = np.arange(mb + 1)
         self.ids, self.pos, self.slots = (self._dev64[i * mb:(i + 1) * mb] for i in range(3))
         self.seq_lens = self._dev32[:mb]
         self.qsl = self._dev32[self._o_qsl:self._o_qsl + mb + 1]
@@ -162,6 +167,11 @@ class DecodeGraphs(_GraphSet):
         if 2 * self._num_sms() <= batch * self.runner.num_kv_heads:  # one split: buckets change nothing
             return [top]
         return [c for c in _CONTEXT_BUCKETS if c < top] + [top]
+
+    def plan_buckets(self) -> None:
+        """Fill ``buckets`` (context buckets per batch size); `capture` calls it first."""
+        for b in self.batch_sizes:
+            self.buckets[b] = self._context_buckets(b)
 
     def _body(self, b: int, ctx: int) -> None:
         """The captured work: forward over the static inputs, output into the static buffer."""
@@ -192,8 +202,8 @@ class DecodeGraphs(_GraphSet):
         self._dev32.copy_(self._host32)
         if pool is None:
             pool, stream = self._capture_resources()
+        self.plan_buckets()
         for b in reversed(self.batch_sizes):
-            self.buckets[b] = self._context_buckets(b)
             for ctx in reversed(self.buckets[b]):
                 self.graphs[(b, ctx)] = self._capture_one((b, ctx), pool, stream)
         self._sync()
@@ -213,21 +223,20 @@ class DecodeGraphs(_GraphSet):
         return True
 
     def _pick(self, n: int, max_ctx: int) -> tuple[int, int]:
-        b = next(x for x in self.batch_sizes if x >= n)
+        b = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         ctx = next(c for c in self.buckets[b] if c >= max_ctx)
         return b, ctx
 
-    def run(self, seqs: list["ScheduledSeq"]) -> torch.Tensor:
-        """Replay the graph for these decodes. Returns logits [n, vocab] float32 (a view of a static
-        buffer, valid until the next replay).
+    def prepare(self, seqs: list["ScheduledSeq"]) -> tuple[int, int]:
+        """Fill the host buffers for these decodes (CPU work only; waits for the previous step's
+        copy to have read them). Returns the graph to replay: (padded batch size, context bucket).
 
         Raises:
             ValueError: a sequence is longer than ``max_seq_len`` (no graph covers it).
         """
         r = self.runner
         n = len(seqs)
-        mb, B, W = self._mb, r.block_size, self.width
-        o_qsl, o_tab = self._o_qsl, self._o_tab
+        mb, B = self._mb, r.block_size
         h64, h32 = self._h64, self._h32
         self._copied.synchronize()  # the previous step's copy has read the host buffers
         ids = h64[:n]
@@ -237,31 +246,40 @@ class DecodeGraphs(_GraphSet):
         max_ctx = int(pos.max()) + 1
         if max_ctx > r.max_seq_len:
             raise ValueError(f"sequence of {max_ctx} tokens exceeds max_seq_len {r.max_seq_len}")
-        tables = h32[o_tab:o_tab + n * W].reshape(n, W)
-        for i, s in enumerate(seqs):
-            bt = s.block_table
-            tables[i, :len(bt)] = bt
+        tables = self._h_tables
+        r.block_tables.gather(seqs, tables)
         b, ctx = self._pick(n, max_ctx)
-        rows = np.arange(n)
-        h64[2 * mb:2 * mb + n] = tables[rows, pos // B].astype(np.int64) * B + pos % B
+        arange = self._arange
+        h64[2 * mb:2 * mb + n] = tables[arange[:n], pos // B].astype(np.int64) * B + pos % B
         h32[:n] = pos + 1
-        qsl = h32[o_qsl:o_qsl + mb + 1]
-        qsl[:n + 1] = np.arange(n + 1)
+        qsl = h32[self._o_qsl:self._o_qsl + mb + 1]
+        qsl[:n + 1] = arange[:n + 1]
         if b > n:  # padding rows: no KV write, empty query range
             h64[2 * mb + n:2 * mb + b] = -1
             h64[n:b] = 0
             h64[mb + n:mb + b] = 0
             h32[n:b] = 0
             qsl[n + 1:b + 1] = n
+        return b, ctx
+
+    def run(self, seqs: list["ScheduledSeq"]) -> torch.Tensor:
+        """Replay the graph for these decodes. Returns logits [n, vocab] float32 (a view of a static
+        buffer, valid until the next replay).
+
+        Raises:
+            ValueError: a sequence is longer than ``max_seq_len`` (no graph covers it).
+        """
+        n = len(seqs)
+        b, ctx = self.prepare(seqs)
         # One copy per section; the block tables only for the rows in use.
         self._dev64.copy_(self._host64, non_blocking=True)
-        end32 = o_tab + b * W
+        end32 = self._o_tab + b * self.width
         self._dev32[:end32].copy_(self._host32[:end32], non_blocking=True)
         self._copied.record()
         self.graphs[(b, ctx)].replay()
         if self.lm_head_in_graph:
             return self.out[:n]
-        return r.model.compute_logits(self.out[:n])
+        return self.runner.model.compute_logits(self.out[:n])
 
 
 DEFAULT_PREFILL_GRAPH_TOKENS = 256
@@ -410,8 +428,7 @@ class PrefillGraphs(_GraphSet):
         h["seq_lens"][:n] = starts + qlens
         h["seq_lens"][n:S] = 0
         tables = h["tables"]
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        r.block_tables.gather(seqs, tables)
         seq_of_tok = np.repeat(np.arange(n), qlens)
         pos = starts[seq_of_tok] + (np.arange(real) - qsl[:-1][seq_of_tok])
         h["ids"][:real] = np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, real)

@@ -40,10 +40,12 @@ from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, Seque
 from .beam_search import BeamSearch
 from .sampler import Sampler, SamplerOutput, SamplingRow
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Request, Sequence
+from .sequence import Request, Sequence, SequenceStatus
 from .stats import FinishedRequestStats, IterationStats, KvCacheStats
 
 logger = logging.getLogger(__name__)
+
+_FINISHED = SequenceStatus.FINISHED
 
 
 def async_output_enabled() -> bool:
@@ -51,7 +53,7 @@ def async_output_enabled() -> bool:
     return os.environ.get("KVPILOT_ASYNC_OUTPUT", "1") not in ("0", "false", "False", "no")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sampled:
     """A token appended by the fast part whose output work (the slow part) is still to do.
 
@@ -101,6 +103,8 @@ class EngineCore:
         self._pending: list[_Sampled] = []  # tokens of the last step whose slow part is still to do
         self._ttft: list[float] = []  # observations since the last stats
         self._itl: list[float] = []
+        self._beam_requests: set[int] = set()  # ids of live use_beam_search requests
+        self._cuda = torch.cuda.is_available()  # asked once: the query costs microseconds per step
 
     def flush_outputs(self) -> None:
         outbox, self._outbox = self._outbox, []
@@ -115,6 +119,8 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
+        if req.params.use_beam_search:
+            self._beam_requests.add(req.request_id)
         for seq in req.seqs:
             init_offsets(seq)
             self.scheduler.add(seq)
@@ -170,6 +176,7 @@ class EngineCore:
 
     def _finish_request(self, req: Request, deltas: list[SequenceDelta], error=None) -> None:
         self.requests.pop(req.request_id, None)
+        self._beam_requests.discard(req.request_id)
         now = time.monotonic()
         m = req.output.metrics
         reasons = {s.finish_reason for s in req.seqs}
@@ -207,19 +214,26 @@ class EngineCore:
             return self._stats(t0, sched, 0, 0)
         plan: list[ScheduledSeq] = []
         num_context = num_prompt_tokens = 0
+        # Per-sequence work here and below runs for every sequence of every step (hundreds at large
+        # batch): positional constructors, no properties, and decode-only checks kept minimal.
         for seq, n in sched.scheduled:
             start = seq.num_computed_tokens
+            toks = seq.token_ids
+            # The block table is passed, not copied: the executor is done with it before it changes
+            # (and it only grows while passed: see `HostBlockTables`).
             if start < seq.num_prompt_tokens:
                 num_context += 1
                 num_prompt_tokens += min(n, seq.num_prompt_tokens - start)
-            want_prompt_lp = ((seq.params.prompt_logprobs is not None or seq.params.return_context_logits)
-                              and seq.index == 0 and start < seq.num_prompt_tokens)
-            # The block table is passed, not copied: the executor is done with it before it changes.
-            plan.append(ScheduledSeq(seq.seq_id, seq.token_ids[start:start + n], start, seq.block_table,
-                                     sample=start + n == seq.num_tokens, all_logits=want_prompt_lp))
-            m = seq.request.output.metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = t0
+                p = seq.params
+                want_prompt_lp = (p.prompt_logprobs is not None or p.return_context_logits) and seq.index == 0
+                plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
+                                         start + n == len(toks), want_prompt_lp))
+                m = seq.request.output.metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = t0
+            else:  # past its prompt, so scheduled before: first_scheduled_time is set
+                plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
+                                         start + n == len(toks)))
         logits, _ = self.executor.execute(plan)
         # A sampler with ``launch`` (see `_sample`) lets the output work also cover its own kernels.
         split = getattr(self.sampler, "launch", None) is not None
@@ -232,50 +246,65 @@ class EngineCore:
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
         row = 0
+        kv = self.kv
+        reuse, B = kv.enable_block_reuse, kv.block_size
         for (seq, n), p in zip(sched.scheduled, plan):
             first = row
             if p.all_logits:
                 row += n
             elif p.sample:
                 row += 1
-            if seq.is_finished:
+            if seq.status is _FINISHED:
                 continue  # finished by the last step's output work: nothing of this step is kept
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
                     self._prompt_logprobs(seq, p.start_pos, logits[first:row])
                 if seq.params.return_context_logits:  # issue 7
                     self._keep_context_logits(seq, p.start_pos, logits[first:row])
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if reuse and computed // B > seq.num_cached_blocks:  # a block became full
+                kv.cache_full_blocks(seq)
             if p.sample:
-                rows.append(self._sampling_row(seq))
+                srow = seq.sampling_row
+                if srow is not None and seq.sampling_row_fixed:
+                    srow.step = len(seq.token_ids) - seq.num_prompt_tokens
+                else:
+                    srow = self._sampling_row(seq)
+                rows.append(srow)
                 sample_seqs.append(seq)
                 sample_rows.append(row - 1)
-        if any(s.params.use_beam_search for s in sample_seqs):  # issue 7: beams choose their own tokens
+        # issue 7: beams choose their own tokens
+        if self._beam_requests and any(s.params.use_beam_search for s in sample_seqs):
             sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
         sampled: list[_Sampled] = []
+        any_done = False
         if sample_seqs:
             sel = logits[torch.tensor(sample_rows, device=logits.device)] if row != len(sample_rows) else logits
             out = self._sample(sel, rows, sample_seqs)
+            token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
+            append = self._append_token
             for i, seq in enumerate(sample_seqs):
-                if seq.is_finished:
+                if seq.status is _FINISHED:
                     continue  # finished by the output work that ran while it was sampled: dropped
                 # Copied now: a CUDA-graph step's logits are overwritten by the next step.
-                keep_logits = sel[i].cpu() if seq.params.return_generation_logits else None
-                sampled.append(self._append_token(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i],
-                                                  keep_logits))
+                keep_logits = sel[i].cpu() if seq.request.params.return_generation_logits else None
+                e = append(seq, token_ids[i], logprobs[i], tops[i], keep_logits)
+                sampled.append(e)
+                if seq.finish_reason is not None:
+                    any_done = True
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
         if sampled:
             if not self.async_output or not self.scheduler.has_work:
                 self._finish_outputs(sampled)  # nothing follows (or synchronous mode): no waiting
+            elif not any_done:
+                self._pending = sampled
             else:
                 # A request that ended in the fast part gets its result now, not one step later.
-                done = [e for e in sampled if e.seq.finish_reason is not None and e.seq.request.finished]
-                self._pending = sampled
+                done, self._pending = [], []
+                for e in sampled:
+                    (done if e.seq.finish_reason is not None and e.seq.request.finished else self._pending).append(e)
                 if done:
-                    self._pending = [e for e in sampled if not (e.seq.finish_reason is not None
-                                                                and e.seq.request.finished)]
                     self._finish_outputs(done)
         return self._stats(t0, sched, num_prompt_tokens, len(sampled), num_context)
 
@@ -346,7 +375,8 @@ class EngineCore:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         """The sequence's sampler inputs: built once from its parameters, then only what changes
-        per step (the output position, the min_tokens bans, the history for penalties) is updated."""
+        per step (the output position, the min_tokens bans, the history for penalties) is updated.
+        Sets ``seq.sampling_row_fixed`` once only the position can change (the step's fast path)."""
         p = seq.params
         row = seq.sampling_row
         out_len = seq.num_output_tokens
@@ -366,8 +396,10 @@ class EngineCore:
         if p.min_tokens and out_len <= p.min_tokens:
             row.banned_token_ids = list(p.bad_token_ids) + (
                 list(self._end_ids(p)) + list(p.stop_token_ids) if out_len < p.min_tokens else [])
-        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p._bad_words_ids:
+        history = bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0 or p._bad_words_ids)
+        if history:
             row.output_token_ids = seq.output_token_ids
+        seq.sampling_row_fixed = not history and out_len >= p.min_tokens
         return row
 
     def _keep_context_logits(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
@@ -411,28 +443,36 @@ class EngineCore:
                       logits_row: Optional[torch.Tensor]) -> _Sampled:
         """The fast part of a sampled token: what the next schedule needs (length, stop ids, EOS,
         ``max_tokens``, ``max_seq_len``, freed blocks). The rest is `_output_token`'s."""
-        p = seq.params
-        seq.token_ids.append(token)
+        toks = seq.token_ids
+        toks.append(token)
         if logprob is not None:
             seq.cumulative_logprob += logprob
         if logits_row is not None:
             seq.pending_logits.append(logits_row)
+        stop_ids = seq.stop_ids
+        if stop_ids is None:  # first token: cache what the checks below need
+            p = seq.params
+            stop_ids = seq.stop_ids = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else frozenset(self._end_ids(p)))
+            seq.length_limit = min(seq.num_prompt_tokens + p.max_tokens, self.max_seq_len)
         # The sampler bans EOS and stop tokens until min_tokens exist, so any that arrives counts.
         stopped_by_token = False
-        if token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", token, True
-        elif not p.ignore_eos and token in self._end_ids(p):
-            seq.finish_reason, seq.stop_reason, stopped_by_token = "stop", None, True
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_seq_len:
+        if token in stop_ids:
+            stopped_by_token = True
+            # A stop token id is its own stop reason, even when it is also an end id.
+            seq.finish_reason = "stop"
+            seq.stop_reason = token if token in seq.params.stop_token_ids else None
+        elif len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
             seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
-        return _Sampled(seq, token, logprob, top, stopped_by_token, seq.num_tokens)
+        return _Sampled(seq, token, logprob, top, stopped_by_token, len(toks))
 
     def _output_token(self, e: _Sampled) -> Optional[SequenceDelta]:
         """The slow part of a sampled token: logprob entry, detokenization, stop strings, its delta."""
-        seq, token, p = e.seq, e.token, e.seq.params
-        assert seq.num_tokens == e.num_tokens, "a sequence got a token before the last one's output work"
+        seq, token = e.seq, e.token
+        p = seq.request.params
+        assert len(seq.token_ids) == e.num_tokens, "a sequence got a token before the last one's output work"
         if e.top is not None and p.logprobs is not None:
             ids, vals, rank = e.top
             context = seq.token_ids[-5:-1]
@@ -452,9 +492,9 @@ class EngineCore:
                         seq.finish_reason, seq.stop_reason = "stop", s
                         if not seq.is_finished:
                             self.scheduler.finish(seq)
-        if p.num_candidates > p.n:
+        if (p.best_of or p.n) > p.n:  # num_candidates > n
             return None  # best_of: the chosen n are sent whole when the request ends
-        if not seq.request.output.streaming and seq.finish_reason is None:
+        if seq.finish_reason is None and not seq.request.output.streaming:
             return None  # nobody reads intermediate chunks of a non-streaming request: one delta at the end
         return self._delta(seq)
 
@@ -462,23 +502,28 @@ class EngineCore:
         """The slow part of these tokens (at most one per sequence), then their requests' updates."""
         now = time.monotonic()
         updates: dict[int, list[SequenceDelta]] = {}
-        reqs: dict[int, Request] = {}
+        reqs: dict[int, Request] = {}  # requests with a delta or a finished sequence: `_emit`'s work
+        live = self.requests
+        itl = self._itl
         for e in sampled:
             seq = e.seq
             req = seq.request
-            if req.request_id not in self.requests:
+            rid = req.request_id
+            if rid not in live:
                 continue  # ended meanwhile (fail_all): nothing more is sent
             m = req.output.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
                 self._ttft.append(now - m.arrival_time)
             elif seq.last_token_time is not None:
-                self._itl.append(now - seq.last_token_time)
+                itl.append(now - seq.last_token_time)
             seq.last_token_time = now
             delta = self._output_token(e)
             if delta is not None:
-                updates.setdefault(req.request_id, []).append(delta)
-            reqs[req.request_id] = req
+                updates.setdefault(rid, []).append(delta)
+                reqs[rid] = req
+            elif seq.status is _FINISHED:
+                reqs[rid] = req
         self._emit(updates, reqs.values())
 
     def _delta(self, seq: Sequence, replace_index: Optional[int] = None) -> SequenceDelta:
@@ -531,7 +576,7 @@ class EngineCore:
         finished, self._pending_finished = self._pending_finished, []
         ttft, self._ttft = self._ttft, []
         itl, self._itl = self._itl, []
-        gpu_mem = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
         return IterationStats(
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
             # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out

@@ -13,6 +13,7 @@ evicted oldest-first when new blocks are needed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import struct
@@ -33,12 +34,21 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+_NO_PARENT = b"\0" * 16
+
+
+@functools.lru_cache(maxsize=None)
+def _packer(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}q")
+
+
 def hash_block(parent: Optional[bytes], token_ids: tuple[int, ...], extra: bytes = b"") -> bytes:
-    """Chained block hash: blake2b(parent hash, token ids, extra keys such as a LoRA adapter id)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"\0" * 16)
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    h.update(extra)
+    """Chained block hash: blake2b(parent hash, token ids as little-endian int64, extra keys such as a
+    LoRA adapter id); 16 bytes."""
+    h = hashlib.blake2b(parent or _NO_PARENT, digest_size=16)
+    h.update(_packer(len(token_ids)).pack(*token_ids))
+    if extra:
+        h.update(extra)
     return h.digest()
 
 

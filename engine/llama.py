@@ -9,10 +9,22 @@ Tensor parallelism (Megatron-LM layout): QKV and gate/up projections are split b
 (column parallel), the attention output and down projections by input features (row parallel, one
 all-reduce each), the embedding and LM head by vocabulary. With ``tp_size == 1`` it is the plain
 model. When ``tp_size`` exceeds the KV head count, KV heads are replicated across ranks.
+
+Fused decode GEMVs (``KVPILOT_FUSED_GEMV``, default 1, read once when the model is built): each
+decoder layer runs its four matrix products through the dispatchers of ``kernels/gemv.py``:
+input RMSNorm (+ residual add) and QKV as ``rmsnorm_gemv``, ``o_proj`` as ``gemv``, the
+post-attention RMSNorm and gate/up as ``rmsnorm_gemv``, SiLU-and-mul and ``down_proj`` as
+``silu_mul_gemv``. They launch one Triton kernel for CUDA batches of at most
+``FUSED_MAX_ROWS[op]`` tokens (batch-1 decode: about 0.23 ms per Llama-3.1-8B step on an H200 in
+benchmarks/gpu_gemv.py) and otherwise run exactly the unfused ops, so CPU runs and larger batches
+compute the same values either way. The ``nn.Linear`` modules stay (weight names, loading and
+tensor-parallel sharding are unchanged); only their forward is bypassed. ``KVPILOT_FUSED_GEMV=0``
+restores the unfused module calls.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +34,12 @@ from torch import nn
 
 from . import kernels as K
 from .config import ModelConfig
+from .kernels import gemv as KG
+
+
+def fused_gemv_enabled() -> bool:
+    """``KVPILOT_FUSED_GEMV`` (default 1): 0 makes decoder layers call their projections unfused."""
+    return os.environ.get("KVPILOT_FUSED_GEMV", "1") not in ("0", "false", "False", "no")
 
 
 @dataclass
@@ -88,8 +106,16 @@ class LlamaAttention(nn.Module):
         self.pc = pc
 
     def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache, cos_sin_cache):
-        n = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), meta, kv_cache, cos_sin_cache)
+
+    def attend(self, positions, qkv, meta: AttentionMetadata, kv_cache, cos_sin_cache,
+               fused_gemv: bool = False) -> torch.Tensor:
+        """Attention after the QKV projection: rotary + KV write, paged attention, ``o_proj``, all-reduce.
+
+        ``qkv`` ``[T, q_size + 2 * kv_size]`` (this rank's heads); returns ``[T, hidden]``.
+        ``fused_gemv`` runs ``o_proj`` through :func:`kvpilot.kernels.gemv.gemv`.
+        """
+        n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
@@ -99,7 +125,11 @@ class LlamaAttention(nn.Module):
         q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
         out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 self.scale, meta.max_query_len, meta.max_seq_len)
-        out = self.o_proj(out.reshape(n, self.q_size))
+        out = out.reshape(n, self.q_size)
+        if fused_gemv:
+            out = KG.gemv(out, self.o_proj.weight, self.o_proj.bias)
+        else:
+            out = self.o_proj(out)
         return self.pc.all_reduce(out)
 
 
@@ -114,18 +144,41 @@ class LlamaMLP(nn.Module):
         self.pc = pc
 
     def forward(self, x):
-        return self.pc.all_reduce(self.down_proj(K.silu_and_mul(self.gate_up_proj(x))))
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor, fused_gemv: bool = False) -> torch.Tensor:
+        """SiLU-and-mul, ``down_proj`` and the all-reduce: ``gate_up`` ``[T, 2 * inter]`` -> ``[T, hidden]``.
+
+        ``fused_gemv`` runs the pair through :func:`kvpilot.kernels.gemv.silu_mul_gemv`.
+        """
+        if fused_gemv:
+            out = KG.silu_mul_gemv(gate_up, self.down_proj.weight, self.down_proj.bias)
+        else:
+            out = self.down_proj(K.silu_and_mul(gate_up))
+        return self.pc.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext) -> None:
+    """One pre-norm decoder layer: ``forward(positions [T], hidden [T, H], residual [T, H] or None,
+    meta, kv_cache, cos_sin_cache)`` returns ``(hidden, residual)``, both ``[T, H]``; the first
+    layer gets ``residual=None`` (the residual stream starts as its input).
+
+    ``fused_gemv`` (default: ``KVPILOT_FUSED_GEMV``) routes the projections through the fused
+    GEMV dispatchers (module docstring); a plain attribute, so benchmarks may flip it.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext,
+                 fused_gemv: Optional[bool] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, pc)
         self.mlp = LlamaMLP(cfg, pc)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fused_gemv = fused_gemv_enabled() if fused_gemv is None else fused_gemv
 
     def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
+        if self.fused_gemv:
+            return self._forward_fused(positions, hidden, residual, meta, kv_cache, cos_sin_cache)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -134,6 +187,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, meta, kv_cache, cos_sin_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_fused(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
+        attn, mlp = self.self_attn, self.mlp
+        ln, qkv_proj = self.input_layernorm, attn.qkv_proj
+        if residual is None:
+            residual = hidden
+            qkv = KG.rmsnorm_gemv(hidden, None, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
+        else:
+            qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
+        hidden = attn.attend(positions, qkv, meta, kv_cache, cos_sin_cache, fused_gemv=True)
+        ln, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
+        gate_up, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, gate_up_proj.weight,
+                                            gate_up_proj.bias)
+        return mlp.down(gate_up, fused_gemv=True), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -178,7 +245,8 @@ class LlamaForCausalLM(nn.Module):
         self.is_last = end == cfg.num_hidden_layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
             self.is_first or (self.is_last and cfg.tie_word_embeddings)) else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc) for i in range(start, end))
+        self.fused_gemv = fused_gemv_enabled()  # read once: KVPILOT_FUSED_GEMV
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv) for i in range(start, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         if self.is_last and not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))

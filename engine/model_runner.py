@@ -15,7 +15,9 @@ On CUDA (TensorRT-LLM's and vLLM's recipe):
   ``KVPILOT_PREFILL_GRAPH_TOKENS``) replay graphs captured at padded token counts
   (`cuda_graphs.PrefillGraphs`); larger steps and prompt-logprob steps run eagerly;
 - inputs are built with numpy in pinned host buffers and sent with one asynchronous copy, so the
-  only device-to-host synchronisation per step is the sampler reading the chosen token ids.
+  only device-to-host synchronisation per step is the sampler reading the chosen token ids;
+- block tables are mirrored in a persistent host array (`HostBlockTables`) that each step updates
+  with the blocks appended since the last one, so a step's host work does not grow with context.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from . import kernels as K
+from .block_tables import HostBlockTables
 from .config import KvCacheConfig, ModelConfig, cpu_kv_cache_bytes
 from .llama import AttentionMetadata, LlamaForCausalLM, ParallelContext
 from .weights import load_weights
@@ -49,6 +52,8 @@ class ScheduledSeq:
     seq_id: int
     token_ids: list[int]  # the tokens to compute now (a prefill chunk, or the last sampled token)
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    # Block ids of the sequence. The runner mirrors it by identity: between steps a list may only
+    # grow (or shrink); any other change must pass a new list (`HostBlockTables`).
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the sequence: produce logits for its last token
     all_logits: bool = False  # return logits for every token of the chunk (prompt logprobs)
@@ -136,7 +141,7 @@ class ModelRunner:
     Attributes set for reports: ``weight_bytes``, ``load_seconds``, ``free_bytes_for_kv`` (free memory
     after weights and profiling, before the fraction), ``profile_peak_bytes``, ``num_blocks``,
     ``bytes_per_block``, ``graphs`` (a `DecodeGraphs` or None), ``prefill_graphs`` (a
-    `PrefillGraphs` or None).
+    `PrefillGraphs` or None). ``block_tables``: the `HostBlockTables` every input path reads.
 
     Raises:
         MemoryError: no room for even one KV block.
@@ -179,6 +184,7 @@ class ModelRunner:
         self.free_bytes_for_kv = 0.0
         self.profile_peak_bytes = 0
         self._staging = _Staging(self.device)
+        self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=max_batch_size + 64)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in model.layers]
@@ -252,7 +258,8 @@ class ModelRunner:
     def _prepare(self, seqs: list[ScheduledSeq]):
         """Flatten a schedule; returns (ids, positions, meta, sample index list, sample index tensor).
 
-        All index arithmetic is numpy on one pinned int64 staging buffer, sent in one copy.
+        All index arithmetic is numpy on one pinned int64 staging buffer, sent in one copy. Rows of
+        sequences that sample give their last token's logits, ``all_logits`` ones every token's.
         """
         B = self.block_size
         n = len(seqs)
@@ -263,17 +270,17 @@ class ModelRunner:
         np.cumsum(qlens, out=qsl[1:])
         seq_of_tok = np.repeat(np.arange(n), qlens)
         pos = starts[seq_of_tok] + (np.arange(T) - qsl[:-1][seq_of_tok])
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((n, width), np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, :len(s.block_table)] = s.block_table
+        rows, width = self.block_tables.sync(seqs)
+        tables = self.block_tables.array[rows, :width].astype(np.int64)  # [n, width]; stale past each length
         slots = tables[seq_of_tok, pos // B] * B + pos % B
-        sample_idx: list[int] = []
-        for i, s in enumerate(seqs):
-            if s.all_logits:
-                sample_idx.extend(range(int(qsl[i]), int(qsl[i + 1])))
-            elif s.sample:
-                sample_idx.append(int(qsl[i + 1]) - 1)
+        sample = np.fromiter((s.sample for s in seqs), np.bool_, n)
+        all_logits = np.fromiter((s.all_logits for s in seqs), np.bool_, n)
+        if not all_logits.any():
+            sample_idx = (qsl[1:][sample] - 1).tolist()
+        else:  # every token of all_logits sequences, the last one of the others that sample
+            keep = np.repeat(all_logits, qlens)
+            keep[qsl[1:][sample] - 1] = True
+            sample_idx = np.flatnonzero(keep).tolist()
         S = len(sample_idx)
         # Layout of the staging buffer: ids | pos | slots | seq_lens | qsl | tables | sample_idx.
         sizes = [T, T, T, n, n + 1, n * width, S]

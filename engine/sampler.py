@@ -5,8 +5,8 @@ logits processors): forbidden tokens (``min_tokens``, ``bad_words``, ``allowed_t
 bias, repetition penalty (HF: over prompt and output tokens; positive logits divided, negative
 multiplied), frequency/presence penalties (OpenAI: output tokens only,
 ``logit -= frequency * count + presence * (count > 0)``), then temperature, top-k, top-p, min-p.
-Every transform is one tensor operation over the whole batch: ragged per-row lists (token ids,
-biases) become padded index tensors whose padding points at an extra scratch column.
+The first four are `kvpilot.logits_processors` (a few batched operations each, penalties from
+per-sequence token counts kept on the device).
 
 Randomness is a counter-based hash of (request seed, output position, token id) turned into Gumbel
 noise, so a row's draw never depends on what else is in the batch (same seed, same text), and no
@@ -23,7 +23,7 @@ min-p keeps values >= max + log(min_p). Masses are the integers ``floor(exp(z - 
 comparison is ``float64(mass above) < float64(top_p) * float64(total)``. The draw is the arg-max of
 ``z + G`` over kept tokens, ties by lower id.
 
-Paths: on CUDA with Triton and ``KVPILOT_TRITON_SAMPLER=1`` (opt-in until measured on a GPU),
+Paths: on CUDA with Triton (the default; ``KVPILOT_TRITON_SAMPLER=0`` turns it off),
 `kvpilot.kernels.sampling` draws every row without sorting and without ``[rows, V]`` temporaries;
 elsewhere plain rows add the full noise and filtered rows first try
 the best ``_TOPK_CANDIDATES_MAX`` tokens (exact when they provably hold the kept set). Rows neither
@@ -31,20 +31,31 @@ settles fall back to `_draw_exact` (a stable full sort).
 
 Log-probabilities are taken from the unmodified distribution (``log_softmax`` of the raw logits),
 as vLLM's default and OpenAI's API do, so top-p/top-k never shrink the ``logprobs`` lists.
+
+Host work per call (it, not the kernels, sets the sampler's cost at serving batch sizes): the rows'
+fixed parameters are cached packed records (`kvpilot.sampler_inputs`), every index and parameter
+array goes to the device in one pinned non-blocking copy, and nothing reads the device until the
+one read of the results (`Sampler.launch` queues everything, `_Pending.finish` reads). Rows a
+fast path could not settle exactly come back as -1 and are drawn again by `_draw_exact` then.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import operator
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
+
+from .logits_processors import Processing, apply_penalties_and_masks
+from .sampler_inputs import SamplingRow, Upload, records, to_host
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties_and_masks", "gumbel_noise",
+           "mask_sorted_candidates", "top_k_top_p_min_p", "triton_sampler_enabled"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,55 +69,6 @@ _ZERO_DEPTH = 31.5
 _NO_ID = torch.iinfo(torch.int64).max
 # Up to this many top logprobs the Triton path extracts them per vocabulary chunk (else torch.topk).
 _TRITON_LOGPROBS_MAX = 32
-
-
-
-@dataclass
-class SamplingRow:
-    """Plain per-row inputs of the sampler (one row = one sequence that samples this step)."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-    step: int = 0  # output position of the token being drawn
-    logprobs: Optional[int] = None
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    prompt_token_ids: Optional[list[int]] = None  # only when repetition_penalty != 1
-    output_token_ids: list[int] = field(default_factory=list)
-    logit_bias: Optional[dict[int, float]] = None
-    allowed_token_ids: Optional[list[int]] = None
-    banned_token_ids: list[int] = field(default_factory=list)
-    bad_word_seqs: list[list[int]] = field(default_factory=list)
-    # Penalty history as device tensors, kept across steps when the engine reuses the row of a
-    # sequence (its output only grows): prompt ids once, output ids appended as they come.
-    _prompt_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-    _out_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
-
-    def history(self, dev: torch.device) -> tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(prompt ids, output ids) as int64 tensors on ``dev``, updated with the new output ids."""
-        if self._out_t is not None and self._out_t.device != dev:
-            # Logits can arrive on another device than last step (the multi-process executor
-            # returns large batches through a pipe, on the CPU): rebuild there.
-            self._prompt_t = self._out_t = None
-        if self._prompt_t is None and self.prompt_token_ids is not None:
-            self._prompt_t = torch.tensor(self.prompt_token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        have = 0 if self._out_t is None else self._out_t.numel()
-        if self._out_t is None or have > len(self.output_token_ids):
-            self._out_t = torch.tensor(self.output_token_ids, dtype=torch.int64).to(dev, non_blocking=True)
-        elif have < len(self.output_token_ids):
-            new = torch.tensor(self.output_token_ids[have:], dtype=torch.int64).to(dev, non_blocking=True)
-            self._out_t = torch.cat([self._out_t, new])
-        return self._prompt_t, self._out_t
-
-    @property
-    def needs_processing(self) -> bool:
-        return bool(self.allowed_token_ids is not None or self.banned_token_ids or self.bad_word_seqs
-                    or self.logit_bias or self.repetition_penalty != 1.0 or self.frequency_penalty
-                    or self.presence_penalty)
 
 
 @dataclass
@@ -138,6 +100,22 @@ def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     s = seeds.to(torch.int64)
     lo, hi = s & _M32, (s >> 32) & _M32
     return _hash32(_hash32(lo) ^ _mul32(steps.to(torch.int64) & _M32, 0x9E3779B1) ^ _hash32(hi ^ 0x5BD1E995))
+
+
+def _row_keys_host(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """`_row_keys` on the host (numpy, the same bits): [rows] int64 in [0, 2**32)."""
+    m = np.uint64(_M32)
+
+    def h(x):
+        x = x ^ (x >> np.uint64(16))
+        x = (x * np.uint64(0x7FEB352D)) & m
+        x = x ^ (x >> np.uint64(15))
+        x = (x * np.uint64(0x846CA68B)) & m
+        return x ^ (x >> np.uint64(16))
+
+    s = seeds.astype(np.int64).view(np.uint64)
+    st = (steps.astype(np.int64).view(np.uint64) & m) * np.uint64(0x9E3779B1) & m
+    return h(h(s & m) ^ st ^ h(((s >> np.uint64(32)) & m) ^ np.uint64(0x5BD1E995))).view(np.int64)
 
 
 def _gumbel_from_keys(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -197,102 +175,6 @@ def _triton_gumbel():
         return out
 
     return run
-
-
-# ---- logits processors -------------------------------------------------------------------------
-def _padded(lists: list[list[int]], vocab_size: int, dev: torch.device) -> torch.Tensor:
-    """[rows, max_len] int64 of the ragged lists; padding and ids outside [0, V) become V."""
-    lens = [len(x) for x in lists]
-    width = max(max(lens, default=0), 1)
-    out = torch.full((len(lists), width), vocab_size, dtype=torch.int64)
-    flat = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
-    if flat.numel():
-        out[torch.arange(width)[None, :] < torch.tensor(lens)[:, None]] = flat
-        out.masked_fill_((out < 0) | (out > vocab_size), vocab_size)
-    return out.to(dev, non_blocking=True)
-
-
-def _bad_word_bans(r: SamplingRow) -> list[int]:
-    out = list(r.banned_token_ids)
-    for seq in r.bad_word_seqs:
-        prefix = seq[:-1]
-        if not prefix or r.output_token_ids[-len(prefix):] == prefix:
-            out.append(seq[-1])
-    return out
-
-
-def apply_penalties_and_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Forbidden tokens, logit bias and repetition/frequency/presence penalties, in place on [S, V].
-
-    Token ids >= V are ignored. Each kind is one scatter over the batch (padding hits column V of a
-    [S, V + 1] scratch tensor, which is dropped).
-    """
-    S, V = logits.shape
-    dev = logits.device
-
-    def clip(ids):
-        return [t for t in ids if 0 <= t < V]
-
-    allowed = [r.allowed_token_ids is not None for r in rows]
-    if any(allowed):
-        ids = _padded([r.allowed_token_ids if a else [] for r, a in zip(rows, allowed)], V, dev)
-        keep = torch.zeros(S, V + 1, dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :V]
-        keep |= ~torch.tensor(allowed, device=dev)[:, None]
-        logits.masked_fill_(~keep, float("-inf"))
-    banned = [_bad_word_bans(r) for r in rows]
-    if any(banned):
-        mask = torch.zeros(S, V + 1, dtype=torch.bool, device=dev).scatter_(1, _padded(banned, V, dev), True)
-        logits.masked_fill_(mask[:, :V], float("-inf"))
-    if any(r.logit_bias for r in rows):
-        keys = [clip(r.logit_bias or {}) for r in rows]
-        vals = torch.zeros(S, max(max(len(k) for k in keys), 1), dtype=logits.dtype)
-        for i, (r, k) in enumerate(zip(rows, keys)):
-            if k:
-                vals[i, :len(k)] = torch.tensor([r.logit_bias[t] for t in k], dtype=logits.dtype)
-        bias = torch.zeros(S, V + 1, dtype=logits.dtype, device=dev)
-        bias.scatter_add_(1, _padded(keys, V, dev), vals.to(dev))
-        logits += bias[:, :V]
-    pen_rows = [i for i, r in enumerate(rows)
-                if r.repetition_penalty != 1.0 or r.frequency_penalty or r.presence_penalty]
-    if pen_rows:
-        _apply_history_penalties(logits, rows, pen_rows)
-    return logits
-
-
-def _apply_history_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
-    """Repetition (HF: over prompt and output) and frequency/presence (OpenAI: output only) penalties.
-
-    Sparse: only the (row, token) pairs of the rows' histories are touched, through flat indices
-    ``row * V + token`` into ``logits`` ([S, V], modified in place); no [S, V] temporaries.
-    """
-    S, V = logits.shape
-    dev = logits.device
-    if not logits.is_contiguous():
-        raise ValueError("penalties are applied in place through a flat view: logits must be contiguous")
-    flat = logits.view(-1)
-    prompts, outs = zip(*(rows[i].history(dev) for i in idx))
-
-    def keys(tensors) -> torch.Tensor:
-        lens = torch.tensor([0 if t is None else t.numel() for t in tensors], device=dev)
-        ids = torch.cat([t for t in tensors if t is not None] or [torch.empty(0, dtype=torch.int64, device=dev)])
-        row = torch.repeat_interleave(torch.tensor(idx, device=dev), lens)
-        ok = (ids >= 0) & (ids < V)
-        return (row * V + ids)[ok]
-
-    out_keys = keys(outs)
-    rep = [rows[i].repetition_penalty for i in idx]
-    if any(p != 1.0 for p in rep):
-        seen = torch.unique(torch.cat([keys([p if rows[i].repetition_penalty != 1.0 else None
-                                             for i, p in zip(idx, prompts)]), out_keys]))
-        pen = torch.tensor([r.repetition_penalty for r in rows], dtype=logits.dtype, device=dev)[seen // V]
-        vals = flat[seen]
-        flat[seen] = torch.where(vals > 0, vals / pen, vals * pen)
-    if out_keys.numel() and any(rows[i].frequency_penalty or rows[i].presence_penalty for i in idx):
-        uniq, counts = torch.unique(out_keys, return_counts=True)
-        r = uniq // V
-        freq = torch.tensor([x.frequency_penalty for x in rows], dtype=logits.dtype, device=dev)[r]
-        pres = torch.tensor([x.presence_penalty for x in rows], dtype=logits.dtype, device=dev)[r]
-        flat.index_add_(0, uniq, -(freq * counts.to(logits.dtype) + pres))
 
 
 def _log_min_p(min_p: torch.Tensor) -> torch.Tensor:
@@ -413,63 +295,75 @@ def _draw_candidates(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
     return _argmax_lowest_id(y, ids), exact
 
 
-_FLOAT_FIELDS = operator.attrgetter("temperature", "top_p", "min_p")
-_INT_FIELDS = operator.attrgetter("top_k", "seed", "step")
+_STEP = operator.attrgetter("step")
 
 
 class _Draw:
-    """Per-row draw parameters of one sampler call, gathered from the rows once (host side).
+    """Per-row draw parameters of one sampler call, from the rows' records (host side, numpy).
 
     ``fprm`` [S, 4] float32: temperature, top_p, log(min_p) (-inf = off), 0. ``iprm`` [S, 4]
     int64: top_k (0 = off), seed, step, 0. ``order`` [S] int64: the rows plain + greedy + filtered
-    (for the kernels); iprm and order travel in one host->device copy. top_k >= V is off, and
-    top_p <= 0 becomes top_k 1 (both keep only the best token).
+    (for the kernels). ``plain``, ``greedy``, ``filt``: ascending int64 row indices of each kind;
+    ``ks`` [S] int64: top_k. top_k >= V is off, and top_p <= 0 becomes top_k 1 (both keep only the
+    best token). `tensors` (or `add_to` a call's `Upload`) puts fprm, iprm and order on the device;
+    `keys` gives the PyTorch paths their row keys (the kernels hash seed and step themselves).
     """
 
-    def __init__(self, rows: list[SamplingRow], V: int):
+    def __init__(self, rows: list[SamplingRow], V: int, recs: Optional[np.ndarray] = None):
+        rec = records(rows) if recs is None else recs
         S = len(rows)
-        f = np.fromiter(itertools.chain.from_iterable(map(_FLOAT_FIELDS, rows)), np.float32, 3 * S).reshape(S, 3)
-        ints = np.zeros(5 * S, dtype=np.int64)
-        iprm = ints[:4 * S].reshape(S, 4)
-        iprm[:, :3] = np.fromiter(itertools.chain.from_iterable(map(_INT_FIELDS, rows)), np.int64,
-                                  3 * S).reshape(S, 3)
-        temp, top_p, min_p, top_k = f[:, 0], f[:, 1], f[:, 2], iprm[:, 0]
+        fprm = np.zeros((S, 4), dtype=np.float32)
+        iprm = np.zeros((S, 4), dtype=np.int64)
+        temp, min_p = rec["temperature"], rec["min_p"]
+        fprm[:, 0] = temp
+        top_p, top_k = fprm[:, 1], iprm[:, 0]  # views: edited in place below
+        top_p[:] = rec["top_p"]
+        top_k[:] = rec["top_k"]
+        iprm[:, 1] = rec["seed"]
+        iprm[:, 2] = np.fromiter(map(_STEP, rows), np.int64, S)
         top_k[(top_k < 0) | (top_k >= V)] = 0
         p_off = top_p <= 0
         top_k[p_off], top_p[p_off] = 1, 1.0
         greedy = temp == 0
         filt = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))
-        self.greedy = np.flatnonzero(greedy).tolist()
-        self.filt = np.flatnonzero(filt).tolist()
-        self.plain = np.flatnonzero(~greedy & ~filt).tolist()
-        self.ks = top_k.tolist()
-        ints[4 * S:] = self.plain + self.greedy + self.filt
-        fl = torch.zeros(S, 4)
-        fl[:, :3] = torch.from_numpy(f)
-        if bool((min_p > 0).any()):
-            fl[:, 2] = _log_min_p(fl[:, 2])
+        self.greedy, self.filt = np.flatnonzero(greedy), np.flatnonzero(filt)
+        self.plain = np.flatnonzero(~greedy & ~filt)
+        self.ks = top_k
+        if (min_p > 0).any():
+            fprm[:, 2] = _log_min_p(torch.from_numpy(np.array(min_p, dtype=np.float32))).numpy()  # a writable copy
         else:
-            fl[:, 2] = float("-inf")
-        self._fl, self._ints = fl, torch.from_numpy(ints)
+            fprm[:, 2] = float("-inf")
+        self.fprm, self.iprm = fprm, iprm
+        self.order = np.concatenate([self.plain, self.greedy, self.filt])
+
+    def keys(self) -> np.ndarray:
+        """[S] int64 row keys (`_row_keys` of seed and step), computed on the host."""
+        return _row_keys_host(self.iprm[:, 1], self.iprm[:, 2])
+
+    def add_to(self, up: Upload) -> tuple[int, int, int]:
+        """Register fprm, iprm and order with a call's upload; returns their handles."""
+        return up.add(self.fprm), up.add(self.iprm), up.add(self.order)
 
     def tensors(self, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(fprm, iprm, order) on ``dev`` (see the class docstring)."""
-        S = self._fl.shape[0]
-        ints = self._ints.to(dev, non_blocking=True)
-        return self._fl.to(dev, non_blocking=True), ints[:4 * S].view(S, 4), ints[4 * S:]
+        """(fprm, iprm, order) on ``dev``, in one upload (see the class docstring)."""
+        up = Upload()
+        h = self.add_to(up)
+        t = up.send(dev)
+        return t[h[0]], t[h[1]], t[h[2]]
 
 
-def _sub(t: torch.Tensor, idx: list[int], S: int):
-    """``t[idx]`` (a copy), or ``t`` itself when idx covers every row in order."""
-    return t if len(idx) == S else t[torch.tensor(idx, device=t.device)]
+def _sel(index: torch.Tensor, n: int, S: int):
+    """Row selector of ``n`` ascending rows: ``slice(None)`` when they are all S rows (no gather)."""
+    return slice(None) if n == S else index
 
 
 # ---- the sampler ----------------------------------------------------------------------------
 def triton_sampler_enabled() -> bool:
-    """``KVPILOT_TRITON_SAMPLER`` (default 0): 1 makes the "auto" backend use the sort-free Triton
-    kernels on CUDA. They are checked against the exact path on CPU under ``TRITON_INTERPRET=1`` but
-    have not yet run on a GPU, so the PyTorch path stays the default until they are measured there."""
-    return os.environ.get("KVPILOT_TRITON_SAMPLER", "0") in ("1", "true", "True", "yes")
+    """``KVPILOT_TRITON_SAMPLER`` (default 1): the "auto" backend uses the sort-free Triton kernels on
+    CUDA; 0 selects the PyTorch path. On an H200 (2026-11-30, `benchmarks/sampler_bench.py`, batch
+    256) the Triton kernels chose exactly the reference's tokens in every scenario, and the GPU tests
+    of tests/test_sampling_fast.py passed."""
+    return os.environ.get("KVPILOT_TRITON_SAMPLER", "1") not in ("0", "false", "False", "no")
 
 
 class Sampler:
@@ -479,8 +373,12 @@ class Sampler:
     others draw by Gumbel-max under the exact semantics of the module docstring. ``backend``:
     "auto" (Triton kernels on CUDA when Triton imports and `triton_sampler_enabled`, else PyTorch),
     "triton" (also CPU tensors under TRITON_INTERPRET=1), "torch" (the candidate path), or "exact"
-    (`_draw_exact` for every filtered row). All backends choose the same tokens. Raises ValueError when the number of rows
-    and of logits rows differ, or for an unknown backend.
+    (`_draw_exact` for every filtered row). All backends choose the same tokens. Raises ValueError
+    when the number of rows and of logits rows differ, or for an unknown backend.
+
+    ``sampler(logits, rows)`` equals ``sampler.launch(logits, rows).finish()``: `launch` queues
+    every device operation without reading the device, so the caller can do host work while they
+    run (`EngineCore._sample`); ``finish`` makes the call's one device->host read.
     """
 
     BACKENDS = ("auto", "triton", "torch", "exact")
@@ -492,69 +390,86 @@ class Sampler:
         self.exact_rows = 0  # filtered rows the fast paths handed to `_draw_exact` (all calls)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        S, V = logits.shape
-        if S != len(rows):
-            raise ValueError(f"got {S} logits rows for {len(rows)} sampling rows")
-        raw = logits
-        if any(r.needs_processing for r in rows):
-            logits = apply_penalties_and_masks(logits.clone(), rows)
-        token_ids = self.choose(logits, rows)
-        logprobs: list[Optional[float]] = [None] * S
-        top: list[Optional[tuple[list[int], list[float], int]]] = [None] * S
-        lp_rows = [i for i, r in enumerate(rows) if r.logprobs is not None]
-        if lp_rows:
-            kmax = min(max(rows[i].logprobs for i in lp_rows), V)
-            chosen = [token_ids[i] for i in lp_rows]
-            if self._use_triton(raw) and raw.stride(1) == 1 and kmax <= _TRITON_LOGPROBS_MAX:
-                from .kernels import sampling as ksampling
+        return self.launch(logits, rows).finish()
 
-                idx = torch.tensor([lp_rows, chosen], dtype=torch.int64).to(raw.device, non_blocking=True)
-                packed = torch.cat([t.double().reshape(len(lp_rows), -1)
-                                    for t in ksampling.raw_logprobs(raw, idx[0], idx[1], kmax)], dim=1).tolist()
-                chosen_lp = [r[0] for r in packed]
-                ranks = [int(r[1]) for r in packed]
-                top_vals = [r[2:2 + kmax] for r in packed]
-                top_ids = [[int(t) for t in r[2 + kmax:]] for r in packed]
-            else:
-                chosen_lp, ranks, top_vals, top_ids = _raw_logprobs(_sub(raw, lp_rows, S), chosen, kmax)
-            for j, i in enumerate(lp_rows):
-                k = rows[i].logprobs
-                logprobs[i] = chosen_lp[j]
-                top[i] = (top_ids[j][:k], top_vals[j][:k], ranks[j])
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> "_Pending":
+        """Queue the call (logits transforms, draw, log-probabilities); ``.finish()`` returns the
+        `SamplerOutput`. ``logits`` [S, V] float32 is not modified (transforms work on a copy) and
+        must stay unchanged until ``finish``."""
+        return self._launch(logits, rows, process=True, logprobs=True)
 
     def choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         """Token id per row of ``logits`` ([S, V], already processed), as a host list."""
-        S, V = logits.shape
-        if all(r.temperature == 0.0 for r in rows):
-            return logits.argmax(dim=-1).tolist()
-        d = _Draw(rows, V)
-        fprm, iprm, order = d.tensors(logits.device)
-        if self._use_triton(logits):
-            from .kernels import sampling as ksampling
+        return self._launch(logits, rows, process=False, logprobs=False).finish().token_ids
 
-            n_plain = len(d.plain) + len(d.greedy)
-            out = ksampling.draw(logits, fprm, iprm, order[:n_plain], order[n_plain:])
-            tokens = out.tolist()
-            redo = [i for i in d.filt if tokens[i] < 0]
-            if redo:
-                self.exact_rows += len(redo)
-                logger.debug("sampler: %d of %d filtered rows drawn by the exact path", len(redo), len(d.filt))
-                for i, t in zip(redo, self._filtered(logits, fprm, iprm, redo, d.ks, exact=True).tolist()):
-                    tokens[i] = t
-            return tokens
-        out = torch.empty(S, dtype=torch.int64, device=logits.device)
-        if d.greedy:
-            out[_index(d.greedy, S, logits.device)] = _sub(logits, d.greedy, S).argmax(dim=-1)
-        if d.plain:
-            sel = _index(d.plain, S, logits.device)
-            z = _sub(logits, d.plain, S).float() / fprm[sel, 0][:, None]
-            keys = _row_keys(iprm[sel, 1], iprm[sel, 2])
-            out[sel] = (z + _full_noise(keys, V)).argmax(dim=-1)
-        if d.filt:
-            out[_index(d.filt, S, logits.device)] = self._filtered(logits, fprm, iprm, d.filt, d.ks,
-                                                                   exact=self.backend == "exact", stats=self)
-        return out.tolist()
+    def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], process: bool, logprobs: bool) -> "_Pending":
+        S, V = logits.shape
+        if S != len(rows):
+            raise ValueError(f"got {S} logits rows for {len(rows)} sampling rows")
+        dev = logits.device
+        recs = records(rows)
+        proc = Processing(rows, V, recs) if process else None
+        if proc is not None and proc.empty:
+            proc = None
+        d = None if bool((recs["temperature"] == 0).all()) else _Draw(rows, V, recs)
+        lp_rows = np.flatnonzero(recs["logprobs"] >= 0) if logprobs else np.empty(0, np.int64)
+        use_triton = self._use_triton(logits)
+        up = Upload()
+        hd = d.add_to(up) if d is not None else None
+        hk = up.add(d.keys()) if d is not None and not use_triton else None
+        hl = up.add(lp_rows) if lp_rows.size else None
+        if proc is not None:
+            proc.add_to(up, dev)  # last: from here it holds the token counts' lock until `apply`
+        try:
+            t = up.send(dev)
+            x = logits if proc is None else proc.apply(logits.clone(), t, use_triton)
+        except BaseException:
+            if proc is not None:
+                proc.release()
+            raise
+        fprm = iprm = keys = None
+        if d is None:
+            tokens = x.argmax(dim=-1)
+        else:
+            fprm, iprm, order = (t[h] for h in hd)
+            if use_triton:
+                from .kernels import sampling as ksampling
+
+                n_plain = len(d.plain) + len(d.greedy)
+                tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:])
+            else:
+                keys = t[hk]
+                tokens = self._draw_torch(x, d, fprm, iprm, keys, order)
+        lp = None
+        if lp_rows.size:
+            kmax = min(int(recs["logprobs"][lp_rows].max()), V)
+            sel = t[hl]
+            chosen = tokens[sel].clamp(min=0)  # -1: drawn again by `finish`, which redoes its logprobs
+            if use_triton and logits.stride(1) == 1 and kmax <= _TRITON_LOGPROBS_MAX:
+                from .kernels import sampling as ksampling
+
+                lp = ksampling.raw_logprobs(logits, sel, chosen, kmax)
+            else:
+                lp = _raw_logprobs(logits[_sel(sel, lp_rows.size, S)], chosen, kmax)
+        return _Pending(self, logits, x, recs, d, fprm, iprm, keys, tokens, lp_rows, lp)
+
+    def _draw_torch(self, x: torch.Tensor, d: _Draw, fprm: torch.Tensor, iprm: torch.Tensor, keys: torch.Tensor,
+                    order: torch.Tensor) -> torch.Tensor:
+        """[S] int64 tokens by the PyTorch paths; -1 where a filtered row needs `_draw_exact`."""
+        S, V = x.shape
+        out = torch.empty(S, dtype=torch.int64, device=x.device)
+        nP, nG = len(d.plain), len(d.greedy)
+        if nG:
+            sel = _sel(order[nP:nP + nG], nG, S)
+            out[sel] = x[sel].argmax(dim=-1)
+        if nP:
+            sel = _sel(order[:nP], nP, S)
+            z = x[sel].float() / fprm[sel, 0][:, None]
+            out[sel] = (z + _full_noise(keys[sel], V)).argmax(dim=-1)
+        if len(d.filt):
+            sel = _sel(order[nP + nG:], len(d.filt), S)
+            out[sel] = self._filtered(x, fprm, iprm, keys, sel, d.ks[d.filt], exact=self.backend == "exact")
+        return out
 
     def _use_triton(self, logits: torch.Tensor) -> bool:
         if self.backend == "triton":
@@ -566,49 +481,86 @@ class Sampler:
         return triton_available()
 
     @staticmethod
-    def _filtered(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, idx: list[int],
-                  all_ks: list[int], exact: bool, stats: Optional["Sampler"] = None) -> torch.Tensor:
-        """Draw rows ``idx`` (all with temperature > 0 and a filter) in PyTorch; [len(idx)] int64."""
-        S, V = logits.shape
-        sel = _index(idx, S, logits.device)
-        z = _sub(logits, idx, S).float() / fprm[sel, 0][:, None]
+    def _filtered(x: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, keys: Optional[torch.Tensor], sel,
+                  ks: np.ndarray, exact: bool) -> torch.Tensor:
+        """Draw rows ``sel`` (an int64 index tensor or ``slice(None)``; temperature > 0 and a filter)
+        in PyTorch: [n] int64, -1 where the candidate path cannot settle a row exactly (flat
+        distributions; `_Pending.finish` draws those by `_draw_exact`). ``ks``: their top_k;
+        ``keys``: [S] row keys, or None to hash them from ``iprm`` here."""
+        V = x.shape[1]
+        z = x[sel].float() / fprm[sel, 0][:, None]
         top_k, top_p, log_min_p = iprm[sel, 0], fprm[sel, 1], fprm[sel, 2]
-        keys = _row_keys(iprm[sel, 1], iprm[sel, 2])
+        keys = _row_keys(iprm[sel, 1], iprm[sel, 2]) if keys is None else keys[sel]
         if exact:
             return _draw_exact(z, top_k, top_p, log_min_p, keys)
-        ks = [all_ks[i] for i in idx]
         # one candidate more than the largest top_k: the prefix above the last candidate's value
         # then still holds k tokens unless values tie there
-        kc = min(V, max(ks) + 1 if all(0 < k <= _TOPK_CANDIDATES_MAX for k in ks) else _TOPK_CANDIDATES_MAX)
+        small = bool(((ks > 0) & (ks <= _TOPK_CANDIDATES_MAX)).all())
+        kc = min(V, int(ks.max()) + 1 if small else _TOPK_CANDIDATES_MAX)
         tokens, ok = _draw_candidates(z, top_k, top_p, log_min_p, keys, kc)
-        if not bool(ok.all()):  # rare (flat distributions): sort these rows' whole vocabulary
-            bad = (~ok).nonzero().squeeze(1)
-            if stats is not None:
-                stats.exact_rows += bad.numel()
-            tokens[bad] = _draw_exact(z[bad], top_k[bad], top_p[bad], log_min_p[bad], keys[bad])
-        return tokens
+        return torch.where(ok, tokens, -1)
 
 
-def _index(idx: list[int], S: int, dev: torch.device):
-    return slice(None) if len(idx) == S else torch.tensor(idx, device=dev)
+class _Pending:
+    """A launched sampler call: the device results, read by `finish` (see `Sampler.launch`)."""
+
+    def __init__(self, sampler: Sampler, raw: torch.Tensor, x: torch.Tensor, recs: np.ndarray,
+                 d: Optional[_Draw], fprm, iprm, keys, tokens: torch.Tensor, lp_rows: np.ndarray, lp):
+        self.sampler, self.raw, self.x, self.recs, self.d = sampler, raw, x, recs, d
+        self.fprm, self.iprm, self.keys, self.tokens, self.lp_rows, self.lp = fprm, iprm, keys, tokens, lp_rows, lp
+
+    def finish(self) -> SamplerOutput:
+        """The tokens (and log-probabilities) as host lists: the call's one device->host read, plus
+        one more only when a fast path handed rows to the exact draw."""
+        host = to_host([self.tokens] + (list(self.lp) if self.lp is not None else []))
+        tokens = host[0].tolist()
+        S = len(tokens)
+        redo = np.flatnonzero(host[0].numpy() < 0) if self.d is not None and len(self.d.filt) else []
+        if len(redo):
+            self.sampler.exact_rows += len(redo)
+            logger.debug("sampler: %d of %d filtered rows drawn by the exact path", len(redo), len(self.d.filt))
+            sel = torch.from_numpy(redo).to(self.x.device)
+            again = Sampler._filtered(self.x, self.fprm, self.iprm, self.keys, sel, self.d.ks[redo], exact=True)
+            for i, t in zip(redo.tolist(), again.tolist()):
+                tokens[i] = t
+        logprobs: list[Optional[float]] = [None] * S
+        top: list[Optional[tuple[list[int], list[float], int]]] = [None] * S
+        if self.lp_rows.size:
+            chosen_lp, ranks, top_vals, top_ids = (h.tolist() for h in host[1:])
+            again_rows = set(redo.tolist()) if len(redo) else set()
+            fix = [j for j, i in enumerate(self.lp_rows.tolist()) if i in again_rows]
+            if fix:  # their chosen token was not known when the log-probabilities were launched
+                rows = self.lp_rows[fix]
+                dev = self.raw.device
+                kmax = len(top_ids[0])
+                got = to_host(list(_raw_logprobs(self.raw[torch.from_numpy(rows).to(dev)],
+                                                 torch.tensor([tokens[i] for i in rows.tolist()], device=dev), kmax)))
+                for j, a, b, c, e in zip(fix, *(g.tolist() for g in got)):
+                    chosen_lp[j], ranks[j], top_vals[j], top_ids[j] = a, b, c, e
+            ks = self.recs["logprobs"][self.lp_rows].tolist()
+            for j, (i, k) in enumerate(zip(self.lp_rows.tolist(), ks)):
+                logprobs[i] = chosen_lp[j]
+                top[i] = (top_ids[j][:k], top_vals[j][:k], ranks[j])
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top)
 
 
-def _raw_logprobs(raw: torch.Tensor, chosen: list[int], kmax: int):
-    """Log-probabilities of the raw distribution for rows ``raw`` ([R, V]) and their chosen ids.
-
-    Returns host lists: chosen token's logprob [R], its rank (1 + number of tokens with a larger
-    logit) [R], and the top ``kmax`` (logprobs, ids) [R][kmax].
+def _raw_logprobs(raw: torch.Tensor, chosen: torch.Tensor, kmax: int):
+    """Log-probabilities of the raw distribution for rows ``raw`` ([R, V]) and their chosen ids
+    (``chosen`` [R] int64 on raw's device), as device tensors: chosen token's logprob [R] float32,
+    its rank (1 + number of tokens with a larger logit) [R] int64, the top ``kmax`` logprobs
+    [R, kmax] float32 and their ids [R, kmax] int64 (the tuple of `kernels.sampling.raw_logprobs`).
     """
     x = raw.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    xc = x.gather(1, torch.tensor(chosen, device=x.device)[:, None])
-    ranks = ((x > xc).sum(dim=-1) + 1).tolist()
+    xc = x.gather(1, chosen[:, None])
+    ranks = (x > xc).sum(dim=-1) + 1
     if kmax > 0:
         vals, ids = x.topk(kmax, dim=-1)
-        top_vals, top_ids = (vals - lse).tolist(), ids.tolist()
+        top_vals = vals - lse
     else:
-        top_vals = top_ids = [[] for _ in chosen]
-    return (xc - lse).squeeze(1).tolist(), ranks, top_vals, top_ids
+        top_vals = x.new_empty(x.shape[0], 0)
+        ids = torch.empty(x.shape[0], 0, dtype=torch.int64, device=x.device)
+    return (xc - lse).squeeze(1), ranks, top_vals, ids
 
 
 def _full_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:

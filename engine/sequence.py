@@ -51,6 +51,12 @@ class Sequence:
     pending_logits: list = field(default_factory=list)
     last_token_time: Optional[float] = None
     sampling_row: Optional[SamplingRow] = None  # built at the first sampled token, then updated
+    # True once `sampling_row` changes only in its ``step`` (no penalties, past ``min_tokens``).
+    sampling_row_fixed: bool = False
+    # The engine's per-token checks, cached at the first sampled token: ids that end the sequence
+    # (stop token ids, and the end ids unless ignore_eos) and the length it stops at.
+    stop_ids: Optional[frozenset[int]] = None
+    length_limit: int = 0
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.request.num_prompt_tokens  # fixed; read many times per step
@@ -73,7 +79,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        return self.status is SequenceStatus.FINISHED
 
 
 @dataclass(eq=False)
@@ -94,4 +100,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, checked for every request every step
+            return seqs[0].status is SequenceStatus.FINISHED
+        return all(s.status is SequenceStatus.FINISHED for s in seqs)

@@ -49,9 +49,22 @@ TUNING = {
         "num_stages": 2,
         "programs_per_sm": 4,
         "no_split_per_sm": 2,
+        # Fewest keys one split handles (rounded up to block_n); each sequence splits its own
+        # context, so a short one in a graph captured for a long bound still gets several programs.
+        # H200, batch 1, 512 keys, graph bound 2,048: 6.6 us with 64, 8.3 with 128, 11.6 with 256.
+        "min_split_tokens": 64,
+        # Launch of batches that fill the GPU without splits (programs >= no_split_per_sm * SMs):
+        # bandwidth-bound, best with more, smaller programs in flight (H200, batch 256 x 1,280 keys:
+        # 318 us per layer against 338 us with 4 warps and 2 stages; BENCHMARKS.md).
+        "batch_num_warps": 2,
+        "batch_num_stages": 3,
+        "batch_num_stages_fp8": 2,  # FP8 cache, same case: 254 us with 2 stages, 264 us with 3
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
-                "programs_per_sm": 4},
+                "programs_per_sm": 4,
+                # Mixed steps: one-token (decode) rows go to the decode kernel, launched after the
+                # prefill kernel, instead of a 64-row prefill tile each.
+                "decode_rows_to_decode_kernel": True},
 }
 # Sequences per step of the prefill kernel's tile lookup (it scans query_start_loc in chunks): one
 # step for the default 256-sequence batches, so programs past the last tile exit after one load.
@@ -95,8 +108,9 @@ def _prefill_kernel(
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_F16: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,
 ):  # fmt: skip
     # Programs walk the tile list backwards: the last tiles of a sequence see the most keys, and
     # starting them first shortens the tail of the launch. Programs past the last tile exit first.
@@ -107,6 +121,8 @@ def _prefill_kernel(
         return
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if SKIP_DECODE & (q_len == 1):  # the decode kernel, launched after this one, owns these rows
+        return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
 
@@ -125,6 +141,8 @@ def _prefill_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif KV_F16:  # an FP8 cache: dots in fp16 (e4m3 -> f16 is one conversion; -> bf16 is several)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -216,20 +234,30 @@ def _prefill_reduce_kernel(
 
 
 @triton.jit
+def _split_size(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per split of one sequence: its own context over ``NUM_SPLITS``, in whole ``BLOCK_N``
+    tiles and at least ``MIN_SPLIT``. Taken from the sequence's length on the device (not from the
+    launch's upper bound), so a CUDA graph captured for a long context bound still spreads a short
+    context over several programs; the decode and reduce kernels compute it alike."""
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, MIN_SPLIT)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, partition_size,
+    scale_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_F16: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -237,6 +265,7 @@ def _decode_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size = _split_size(seq_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     kv_start = split * partition_size
     if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
         return
@@ -255,6 +284,8 @@ def _decode_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif KV_F16:  # an FP8 cache: dots in fp16 (e4m3 -> f16 is one conversion; -> bf16 is several)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -312,9 +343,9 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr,
-    partition_size, stride_ot, stride_oh,
+    stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -322,7 +353,7 @@ def _reduce_kernel(
     if tl.load(qsl_ptr + seq + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = tl.cdiv(seq_len, partition_size)
+    num_valid = tl.cdiv(seq_len, _split_size(seq_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT))
     sp = tl.arange(0, SPLITS_PAD)
     sp_ok = (sp < num_valid) & (sp < NUM_SPLITS)
     row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + sp
@@ -337,6 +368,9 @@ def _reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
+
+
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
 @functools.lru_cache(maxsize=None)
@@ -394,7 +428,8 @@ def prefill_max_tiles(num_tokens: int, num_seqs: int, max_query_len: int, block_
 
 
 def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Context splits for decode: enough programs to keep HBM busy, none shorter than 256 tokens.
+    """Context splits for decode: enough programs to keep HBM busy, none shorter than
+    ``TUNING["decode"]["min_split_tokens"]`` keys.
 
     One program per (sequence, kv head) is too few for long contexts and small batches (2 per SM
     reached only 67% of copy bandwidth on an H200), while splitting a batch that already fills the
@@ -406,7 +441,7 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torc
     if programs >= cfg["no_split_per_sm"] * sms:
         return 1
     want = math.ceil(cfg["programs_per_sm"] * sms / programs)
-    return max(1, min(want, math.ceil(max_seq_len / 256), 64))
+    return max(1, min(want, math.ceil(max_seq_len / cfg["min_split_tokens"]), 64))
 
 
 def paged_attention_triton(
@@ -426,8 +461,10 @@ def paged_attention_triton(
 
     ``max_query_len``/``max_seq_len`` must be true upper bounds (they size the grid; no device
     sync happens here). Decode-only batches (``max_query_len == 1``) take the split-K decode
-    kernel, all others the prefill kernel; ``num_splits`` overrides either kernel's context-split
-    heuristic (tests use it). The prefill launch depends only on shapes and these bounds, so a
+    kernel, all others the prefill kernel; in a step of several sequences the one-token (decode)
+    rows are then left to the decode kernel, launched after it
+    (``TUNING["prefill"]["decode_rows_to_decode_kernel"]``). ``num_splits`` overrides the first
+    kernel's context-split heuristic (tests use it). The prefill launch depends only on shapes and these bounds, so a
     CUDA graph captured at padded sizes (padded tokens, sequences with empty query ranges,
     ``max_query_len`` = padded token count) replays it for any batch that fits. The innermost
     dimension of ``q`` and of the caches must be contiguous.
@@ -458,7 +495,10 @@ def paged_attention_triton(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = float(scale) * _LOG2E
     # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9), so upcast there.
-    dot_fp32 = q.dtype == torch.bfloat16 and not q.is_cuda
+    # An FP8 cache is read into fp16 dots (q rounded to fp16, saturating): on an H200 converting e4m3
+    # to bf16 made the decode kernel compute-bound at about half the copy bandwidth.
+    kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
+    dot_fp32 = q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16
     common_strides = (
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -469,6 +509,9 @@ def paged_attention_triton(
 
     if max_query_len > 1:
         cfg = TUNING["prefill"]
+        # With several sequences some may be decodes (q_len 1); their rows are left to the decode
+        # kernel below (the prefill reduction may write junk there first; the decode pass overwrites).
+        split_decode = bool(cfg["decode_rows_to_decode_kernel"]) and num_seqs > 1
         block_q, block_m = prefill_block_q(group)
         block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
         tiles = prefill_max_tiles(num_tokens, num_seqs, max_query_len, block_q)
@@ -483,8 +526,9 @@ def paged_attention_triton(
             q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
             scale_log2, num_seqs, *common_strides,
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision, DOT_FP32=dot_fp32,
-            SEQ_CHUNK=_SEQ_CHUNK, NUM_HEADS=num_heads, NUM_SPLITS=splits,
+            BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
+            DOT_FP32=dot_fp32, KV_F16=kv_f16,
+            SEQ_CHUNK=_SEQ_CHUNK, NUM_HEADS=num_heads, NUM_SPLITS=splits, SKIP_DECODE=split_decode,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
         if splits > 1:
@@ -493,13 +537,18 @@ def paged_attention_triton(
                 NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
                 HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=1,
             )  # fmt: skip
-        return out
+        if not split_decode:
+            return out
+        num_splits = None  # an override above was the prefill kernel's
 
     splits = num_splits or _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     cfg = TUNING["decode"]
+    full = splits == 1 and num_seqs * num_kv_heads >= cfg["no_split_per_sm"] * _device_sms(q.device)
     block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
-    partition = triton.cdiv(triton.cdiv(max(max_seq_len, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(max_seq_len, 1), partition)
+    min_split = max(block_n, triton.cdiv(cfg["min_split_tokens"], block_n) * block_n)
+    # No more splits than the longest context can fill at min_split keys each; each sequence then
+    # divides its own context over them (`_split_size`).
+    splits = max(1, min(splits, triton.cdiv(max(max_seq_len, 1), min_split)))
     if splits > 1:
         part_out = torch.empty(
             num_seqs, num_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device
@@ -509,17 +558,21 @@ def paged_attention_triton(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
-        scale_log2, partition, *common_strides,
-        NUM_HEADS=num_heads, NUM_SPLITS=splits, GROUP=group, BLOCK_G=_pow2_at_least(group),
+        scale_log2, *common_strides,
+        NUM_HEADS=num_heads, NUM_SPLITS=splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16,
+        num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
+        num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),
     )  # fmt: skip
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, partition,
+            out, part_out, part_lse, seq_lens, query_start_loc,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=1,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, MIN_SPLIT=min_split,
+            # One warp holds SPLITS_PAD x HEAD_DIM_PAD fp32 partials: past 16 splits of 128 dims
+            # ptxas spilled registers (tests/compile_kernels.py), so more warps share them.
+            num_warps=1 if triton.next_power_of_2(splits) * head_dim_pad <= 16 * 128 else 4,
         )  # fmt: skip
     return out

@@ -16,6 +16,9 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
   then the Gumbel-max winner among kept tokens (Pareto search: the winner is the highest-noise
   token whose rank is inside the prefix, found in a few masked arg-max rounds).
 
+- ``_penalty_kernel`` (`apply_penalties`): repetition/frequency/presence penalties in place, one
+  pass reading each penalised row and its token counts (``kvpilot.logits_processors``).
+
 Masses are the fixed-point integers ``floor(exp(z - m) * 2**44)`` that the reference sums too, so
 every exact decision is the same integer comparison in both (no summation-order rounding).
 A row whose window cannot settle it exactly (too many tokens in it; unlikely combinations such as a
@@ -458,6 +461,28 @@ def _logprob_kernel(x_ptr, stride, V, rows_ptr, chosen_ptr, pmax_ptr, psum_ptr, 
         x = tl.where(cols == bid, float("-inf"), x)
 
 
+@triton.jit
+def _penalty_kernel(x_ptr, stride, V, rows_ptr, slots_ptr, cnt_ptr, pen_ptr,
+                    REP: tl.constexpr, FREQ: tl.constexpr, BLOCK: tl.constexpr):
+    """Repetition, frequency and presence penalties of one block of one row, in place.
+
+    Counts are ``2 * output count + (1 if in the prompt)``; the arithmetic is the PyTorch
+    reference's, operation for operation (launched without FMA contraction, so bit-identical)."""
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inr = cols < V
+    xp = x_ptr + tl.load(rows_ptr + i) * stride + cols
+    x = tl.load(xp, mask=inr, other=0.0)
+    c = tl.load(cnt_ptr + tl.load(slots_ptr + i) * V + cols, mask=inr, other=0)
+    if REP:
+        rp = tl.load(pen_ptr + i * 3)
+        x = tl.where(c > 0, tl.where(x > 0, tl.math.div_rn(x, rp), x * rp), x)
+    if FREQ:
+        n = c >> 1
+        x = tl.where(n > 0, x - (tl.load(pen_ptr + i * 3 + 1) * n.to(tl.float32) + tl.load(pen_ptr + i * 3 + 2)), x)
+    tl.store(xp, x, mask=inr)
+
+
 # ---- host side ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _depths(device: torch.device) -> torch.Tensor:
@@ -526,7 +551,11 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
                               win, wz, wid, wcnt, pn, pmhi, pw, pyb, pib, NS, wcap, L=L, SP=SP, CHUNK=chunk,
                               BLOCK=cfg["block"], PRECISE=precise, num_warps=4)
     else:
-        wcnt = pmax = win = wz = wid = pn = pmhi = pw = pyb = pib = pval  # unused placeholders
+        # Unused by the launch below (no filtered rows), but the kernel is still compiled for their
+        # dtypes: every placeholder must have the dtype of the buffer it stands for.
+        wcnt = wid = pn = pib = pidx
+        pmax = win = wz = pyb = pval
+        pmhi = pw = torch.empty(1, dtype=torch.int64, device=dev)
     if P or F:
         _resolve_kernel[(F + P,)](out, filt_rows, plain_rows, fprm, iprm, pmax, win, wz, wid, wcnt, pn, pmhi,
                                   pw, pyb, pib, pval, pidx, F, NS, NS, WCAP=wcap, SP=SP, SPP=SP,
@@ -569,3 +598,32 @@ def raw_logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
         ids = torch.empty(R, 0, dtype=torch.int64, device=dev)
         top_lp = torch.empty(R, 0, device=dev)
     return (xc - lse).squeeze(1), ranks, top_lp, ids
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, counts: torch.Tensor,
+                    pen: torch.Tensor, rep: bool = True, freq: bool = True) -> None:
+    """Repetition (HF) and frequency/presence (OpenAI) penalties in place, one pass over the rows.
+
+    Args:
+        logits: [S, V] float32, last dimension contiguous; rows ``rows`` are modified.
+        rows: [P] int64 rows of ``logits``; slots: [P] int64 rows of ``counts``.
+        counts: [N, V] int32, contiguous: ``2 * (count in the output) + (1 if in the prompt)`` per
+            token (kvpilot.logits_processors.TokenCounts).
+        pen: [P, 3] float32 contiguous: repetition, frequency, presence penalty per row.
+        rep / freq: whether any row has a repetition penalty / a frequency or presence penalty.
+    Only tokens with a count change (``x / rep`` or ``x * rep`` where seen, then
+    ``x - (frequency * n + presence)`` where the output holds them n > 0 times); the values equal
+    ``kvpilot.logits_processors._penalties_torch`` bit for bit.
+    """
+    S, V = logits.shape
+    if logits.stride(1) != 1 or logits.dtype != torch.float32:
+        raise ValueError("logits must be float32 and contiguous along the vocabulary")
+    if not counts.is_contiguous() or counts.shape[1] != V or counts.dtype != torch.int32:
+        raise ValueError(f"counts must be a contiguous int32 [N, {V}] tensor")
+    P = rows.numel()
+    if P == 0 or not (rep or freq):
+        return
+    block = 2048
+    _penalty_kernel[(P, triton.cdiv(V, block))](logits, logits.stride(0), V, rows, slots, counts, pen.contiguous(),
+                                                 REP=rep, FREQ=freq, BLOCK=block, num_warps=4,
+                                                 enable_fp_fusion=False)

@@ -107,6 +107,40 @@ def test_paged_attention_triton_split_k_decode(num_splits, dtype, q_lens):
     torch.testing.assert_close(out.cpu(), ref, **_tol(dtype))
 
 
+@pytest.mark.parametrize("to_decode_kernel", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_step_decode_rows_either_kernel(monkeypatch, to_decode_kernel, num_splits):
+    """A mixed step's one-token rows are right whether the decode kernel takes them (after the
+    prefill kernel, whose split reduction writes junk there first) or the prefill kernel does."""
+    from kvpilot.kernels import attention
+
+    monkeypatch.setitem(attention.TUNING["prefill"], "decode_rows_to_decode_kernel", to_decode_kernel)
+    q_lens, ctx_lens = [1, 9, 1, 0, 3, 1], [150, 40, 0, 12, 70, 33]
+    q, kc, vc, bt, sl, qsl, dk, dv = make_paged_batch(q_lens, ctx_lens, 4, 2, 64, 16, torch.float32)
+    ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.125, max(q_lens), int(sl.max()))
+    qd, kcd, vcd, btd, sld, qsld = _to(DEVICE, q, kc, vc, bt, sl, qsl)
+    out = paged_attention_triton(qd, kcd, vcd, btd, sld, qsld, 0.125, max(q_lens), int(sl.max()),
+                                 num_splits=num_splits)
+    torch.testing.assert_close(out.cpu(), ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("min_split,num_splits", [(64, 8), (64, 64), (256, 8)])
+def test_decode_splits_follow_each_sequence_length(monkeypatch, min_split, num_splits):
+    """A loose context bound (a CUDA graph's bucket) must not leave short sequences unsplit: each
+    sequence divides its own context over the splits (at least ``min_split`` keys each), and the
+    reduction weighs exactly the splits that sequence used."""
+    from kvpilot.kernels import attention
+
+    monkeypatch.setitem(attention.TUNING["decode"], "min_split_tokens", min_split)
+    ctx_lens = [150, 0, 64, 300, 1]
+    q_lens = [1] * len(ctx_lens)
+    q, kc, vc, bt, sl, qsl, dk, dv = make_paged_batch(q_lens, ctx_lens, 4, 2, 64, 16, torch.float32)
+    ref = paged_attention_ref(q, kc, vc, bt, sl, qsl, 0.125, 1, int(sl.max()))
+    qd, kcd, vcd, btd, sld, qsld = _to(DEVICE, q, kc, vc, bt, sl, qsl)
+    out = paged_attention_triton(qd, kcd, vcd, btd, sld, qsld, 0.125, 1, 4096, num_splits=num_splits)
+    torch.testing.assert_close(out.cpu(), ref, **_tol(torch.float32))
+
+
 import triton  # noqa: E402 - after the importorskip above
 import triton.language as tl  # noqa: E402
 
@@ -318,6 +352,6 @@ def test_decode_split_heuristic_matches_h200_tuning(monkeypatch):
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
     cuda0 = torch.device("cuda", 0)
     # (num_seqs, max_seq_len) -> splits, with 8 kv heads (Llama-3.1-8B).
-    expected = {(64, 4096): 1, (256, 1024): 1, (8, 32768): 9, (1, 131072): 64, (4, 300): 2}
+    expected = {(64, 4096): 1, (256, 1024): 1, (8, 32768): 9, (1, 131072): 64, (4, 300): 5, (1, 100): 2}
     got = {key: attention._num_splits(key[0], 8, key[1], cuda0) for key in expected}
     assert got == expected

@@ -167,9 +167,15 @@ def _calibrate_cuda_sleep() -> float:
     return cycles / best
 
 
+_RUNS = 0
+
+
 def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    """Distinct prompts (no prefix-cache hits between them): BOS, then pseudo-random ids."""
-    rng = random.Random(batch)
+    """Distinct prompts (no prefix-cache hits between them, nor with any earlier run's: a hit would
+    change the steps' make-up, and with it the fake logits): BOS, then pseudo-random ids."""
+    global _RUNS
+    _RUNS += 1
+    rng = random.Random(1_000_003 * _RUNS + batch)
     return [[1] + [rng.randrange(3, vocab) for _ in range(length - 1)] for _ in range(batch)]
 
 

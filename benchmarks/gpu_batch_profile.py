@@ -9,8 +9,9 @@ decode-only steps of 330-500 sequences at contexts around 1,000-2,000 tokens. Th
    weights + KV read at the copy rate, plus the matrix products' FLOPs at ``--matmul-tflops``;
 2. profiles one graph replay with `torch.profiler` and prints the kernels that take the time;
 3. times the decode attention kernel alone (one layer's cache, the runner's block tables) under
-   launch variants (``block_n``, ``num_warps``, ``num_stages``, ``min_split_tokens``), batch 1 with a
-   CUDA graph's context bound and the large batches, as % of copy bandwidth.
+   launch variants (``block_n``, ``num_warps``, ``num_stages``, register cap ``batch_maxnreg``,
+   ``min_split_tokens``), batch 1 with a CUDA graph's context bound and the large batches, as % of
+   copy bandwidth.
 
     python3 benchmarks/gpu_batch_profile.py [--kv-dtypes auto fp8] [--batches 256 448] [--context 1280]
 """
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_profile import build_runner, copy_bandwidth, decode_seqs, kernel_table, step_ms  # noqa: E402
 
 
-def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_bound: int) -> None:
+def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_bound: int, small_cases: bool = True) -> None:
     import triton
 
     from kvpilot.kernels import attention
@@ -40,10 +41,18 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
     kv = runner.kv_caches[0]
     per_tok_layer = runner.bytes_per_block // runner.block_size // cfg.num_hidden_layers
     base = dict(attention.TUNING["decode"])
-    cases = [(1, 512, 2048), (1, 512, top_bound), (1, 4096, 8192), (8, 1024, 2048)] + [(b, ctx, top_bound) for b in batches]
+    cases = ([(1, 512, 2048), (1, 512, top_bound), (1, 4096, 8192), (8, 1024, 2048)] if small_cases else []) + [
+        (b, ctx, top_bound) for b in batches]
     small = [dict(min_split_tokens=m) for m in (64, 128, 256)]
-    large = [dict(block_n=bn, batch_num_warps=w, batch_num_stages=s)
-             for bn, w, s in itertools.product((32, 64, 128), (2, 4), (2, 3, 4))]
+    # (block_n, warps, stages) around the best of the last sweep, each in both grid orders and both
+    # K tile orders; the stages apply to the cache dtype being measured.
+    stages_key = "batch_num_stages_fp8" if runner.kv_dtype in attention._FP8_DTYPES else "batch_num_stages"
+    # Around the best launch of the last sweeps (64 keys, 2 warps, 2 stages): register caps (the FP8
+    # kernel used 207 registers a thread, 8 warps per SM), one stage, 32-key tiles.
+    reg_key = "batch_maxnreg_fp8" if runner.kv_dtype in attention._FP8_DTYPES else "batch_maxnreg"
+    large = [dict(block_n=bn, batch_num_warps=w, **{stages_key: s, reg_key: r})
+             for (bn, w, s), r in itertools.product(
+                 ((64, 2, 2), (64, 2, 1), (32, 2, 2), (64, 4, 1)), (None, 168, 128, 96))]
     print(f"\n| attention alone ({runner.kv_dtype}): batch | context | bound | variant | us | % of copy bandwidth |")
     print("|---:|---:|---:|---|---:|---:|")
     for b, c, bound in cases:
@@ -131,6 +140,8 @@ def main() -> None:
     ap.add_argument("--matmul-tflops", type=float, default=790.0)
     ap.add_argument("--max-seq-len", type=int, default=8192)
     ap.add_argument("--no-attention-sweep", action="store_true")
+    ap.add_argument("--no-small-sweep", action="store_true", help="sweep only the large batches")
+    ap.add_argument("--no-step", action="store_true", help="skip the step timing, kernel table and mixed step")
     args = ap.parse_args()
 
     bw = copy_bandwidth()
@@ -148,7 +159,7 @@ def main() -> None:
               f"{per_tok} B/token")
         print("| batch | context | graph ms | floor ms (bytes) | floor ms (bytes + matmul FLOPs) | % of bytes+FLOPs floor |")
         print("|---:|---:|---:|---:|---:|---:|")
-        for b in args.batches:
+        for b in ([] if args.no_step else args.batches):
             seqs = decode_seqs(runner, b, args.context, True)
             ms = step_ms(runner, seqs, iters=10)
             mem = (weights + b * args.context * per_tok) / bw * 1e3
@@ -156,10 +167,11 @@ def main() -> None:
             print(f"| {b} | {args.context} | {ms:.2f} | {mem:.2f} | {mem + flops:.2f} | "
                   f"{100 * (mem + flops) / ms:.1f}% |", flush=True)
         seqs = decode_seqs(runner, args.batches[0], args.context, True)
-        kernel_table(runner, seqs, f"[{kv_dtype}] graph replay, batch {args.batches[0]}, context {args.context}")
-        mixed_attention(runner, 384, args.context, 8, 960)
+        if not args.no_step:
+            kernel_table(runner, seqs, f"[{kv_dtype}] graph replay, batch {args.batches[0]}, context {args.context}")
+            mixed_attention(runner, 384, args.context, 8, 960)
         if not args.no_attention_sweep:
-            attention_variants(runner, bw, args.batches, args.context, args.max_seq_len)
+            attention_variants(runner, bw, args.batches, args.context, args.max_seq_len, not args.no_small_sweep)
         del runner, seqs
         gc.collect()
         torch.cuda.empty_cache()

@@ -202,6 +202,24 @@ def _check_penalties(logits: torch.Tensor, rows: list[SamplingRow], triton: bool
 
 
 _STEPS = itertools.count(1)
+_PROFILE_CALLS = 5
+
+
+def _kernel_summary(prof) -> str:
+    """One line: GPU microseconds per sampler call of each Triton kernel (launches per call) and
+    their total, averaged over the ``_PROFILE_CALLS`` profiled calls."""
+    parts, total = [], 0.0
+    for evt in prof.key_averages():
+        name = evt.key
+        if not name.startswith("_") or "_kernel" not in name:
+            continue
+        us = getattr(evt, "device_time_total", None)
+        us = evt.cuda_time_total if us is None else us
+        us /= _PROFILE_CALLS
+        total += us
+        parts.append((us, f"{name} {us:.0f} ({evt.count / _PROFILE_CALLS:.0f}x)"))
+    parts.sort(reverse=True)
+    return "  kernels us/call: " + ", ".join(p for _, p in parts) + f"; total {total:.0f}"
 
 
 def _decode_one(rows: list[SamplingRow], vocab: int) -> None:
@@ -266,9 +284,12 @@ def main() -> None:
                 acts = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if cuda else [])
                 with torch.profiler.profile(activities=acts) as prof:
-                    fast(logits, rows)
+                    for _ in range(_PROFILE_CALLS):
+                        fast(logits, rows)
                 key = "cuda_time_total" if cuda else "cpu_time_total"
                 print(prof.key_averages().table(sort_by=key, row_limit=15))
+                if cuda:
+                    print(_kernel_summary(prof))
     rows = _rows(args.batch, "mixed", args.vocab)
     ms = _time(lambda: sampler_mod._Draw(rows, args.vocab).tensors(dev), dev, args.iters)
     print(f"{'host_params_mixed':20s} {'':7s} {ms:8.3f} (reference: gathering the rows' parameters on the host)")

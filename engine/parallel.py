@@ -29,6 +29,7 @@ import multiprocessing as mp
 import os
 import pickle
 import socket
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -39,7 +40,9 @@ from typing import Mapping, Optional
 import torch
 
 from .config import KvCacheConfig, ModelConfig
-from .parallel_worker import MSG_ERROR, MSG_OK, MSG_READY, WorkerSpec, stage_layers, worker_main
+from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_OK, MSG_READY, MSG_TIMING,
+                              PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers,
+                              step_timing_enabled, worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,17 @@ def _resolve_device(device: str) -> str:
     if ":" in device:
         logger.warning("device %r: parallel workers use cuda:<local rank>; the index is ignored", device)
     return kind
+
+
+def format_step_timing(timing: dict) -> str:
+    """A text table of `MultiprocExecutor.step_timing`'s result: one line per (process, phase)."""
+    lines = [f"{'process':<10} {'phase':<24} {'n':>7} {'mean ms':>9} {'median ms':>9}"]
+    parts = [("front end", timing.get("front_end", {}))]
+    parts += [(f"rank {r}", t) for r, t in sorted(timing.get("ranks", {}).items())]
+    for who, phases in parts:
+        for phase, st in phases.items():
+            lines.append(f"{who:<10} {phase:<24} {st['n']:>7} {st['mean_ms']:>9.3f} {st['median_ms']:>9.3f}")
+    return "\n".join(lines)
 
 
 def _free_port() -> int:
@@ -215,6 +229,13 @@ class MultiprocExecutor:
             self._out_conn = self._conns[output_rank]
         blocks = {}
         self._logits_buf: Optional[torch.Tensor] = None
+        self._logits_event = None  # the output rank's interprocess event (LOGITS_EVENT)
+        self._read_done = None  # recorded after the last clone out of the shared buffer
+        self._encoder = PlanEncoder()
+        self._timer = StepTimer() if step_timing_enabled() else None
+        self._last_return: Optional[float] = None
+        self._spin = pipe_spin_seconds(spec.device)
+        self._lock = threading.Lock()  # one exchange on the pipes at a time (steps, step_timing)
         deadline = time.monotonic() + _env_float("KVPILOT_WORKER_START_TIMEOUT_S", 1800.0)
         try:
             while len(blocks) < len(self._conns):
@@ -234,42 +255,137 @@ class MultiprocExecutor:
 
     def _open_logits_buffer(self, ipc) -> None:
         try:
-            rebuild, args = ipc
+            rebuild, args = ipc["logits"]
             self._logits_buf = rebuild(*args)
         except Exception:  # noqa: BLE001 - the pipe path still works, only slower
             logger.warning("cannot open the output worker's CUDA logits buffer; logits go through the pipe",
                            exc_info=True)
             self._logits_buf = None
+            return
+        self._read_done = torch.cuda.Event()
+        if ipc.get("event") is not None:
+            try:
+                self._logits_event = torch.cuda.Event.from_ipc_handle(self._logits_buf.device, ipc["event"])
+            except Exception:  # noqa: BLE001 - the worker then synchronizes before answering
+                logger.warning("cannot open the output worker's logits event; it will synchronize instead",
+                               exc_info=True)
+                self._logits_event = None
+
+    @property
+    def logits_mode(self) -> int:
+        """How the output rank returns logits: `LOGITS_EVENT`, `LOGITS_SYNC` or `LOGITS_PIPE`."""
+        if self._logits_buf is None:
+            return LOGITS_PIPE
+        return LOGITS_EVENT if self._logits_event is not None else LOGITS_SYNC
 
     # ---- per step ------------------------------------------------------------------------------
     def execute(self, plan) -> tuple[torch.Tensor, list[int]]:
-        """Send one step's plan to the workers; return the output rank's logits (CPU float32) and rows.
+        """Send one step's plan to the workers; return the output rank's logits and rows.
+
+        The logits are float32 ``[R, vocab]``: on the output rank's GPU (a copy out of the shared
+        buffer, made on the current stream after the step's event; no host synchronisation) on one
+        GPU node, else on the CPU.
 
         Raises:
             EngineDeadError: a worker failed, exited or timed out (now or earlier).
         """
+        with self._lock:
+            return self._execute(plan)
+
+    def _execute(self, plan) -> tuple[torch.Tensor, list[int]]:
         if self._dead is not None:
             raise self._dead
-        data = pickle.dumps(("step", plan, self._logits_buf is not None), protocol=pickle.HIGHEST_PROTOCOL)
+        timer = self._timer
+        if timer is not None:
+            t0 = time.perf_counter()
+            if self._last_return is not None:
+                timer.add("host_between_steps", t0 - self._last_return)
+        if self._read_done is not None:
+            # The worker overwrites the shared buffer this step: the last copy out of it must be done
+            # (normally long since: the sampler read its result).
+            self._read_done.synchronize()
+        mode = self.logits_mode
+        data = pickle.dumps(("step", self._encoder.encode(plan), mode), protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self._plan_conns:
             try:
                 conn.send_bytes(data)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
                 self._die("a worker closed its pipe")
+        if timer is not None:
+            t1 = time.perf_counter()
+            timer.add("send", t1 - t0)
+        spin_poll(self._out_conn, self._spin)
         _, msg = self._wait_for([self._out_conn], self._step_timeout)
         if msg[0] != MSG_OK:
             self._die(f"unexpected message from the output worker: {msg[0]!r}")
+        if timer is not None:
+            t2 = time.perf_counter()
+            timer.add("wait_answer", t2 - t1)
         _, shape, rows, in_buffer = msg
         if in_buffer:
-            return self._logits_buf[:shape[0]].clone(), rows
-        try:
-            raw = self._out_conn.recv_bytes()
-        except (EOFError, OSError):
-            self._die("the output worker closed its pipe while sending logits")
-        if not raw:
-            return torch.empty(shape, dtype=torch.float32), rows
-        return torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape), rows
+            buf = self._logits_buf
+            if mode == LOGITS_EVENT:
+                self._logits_event.wait(torch.cuda.current_stream(buf.device))
+            logits = buf[:shape[0]].clone()
+            self._read_done.record(torch.cuda.current_stream(buf.device))
+        else:
+            try:
+                raw = self._out_conn.recv_bytes()
+            except (EOFError, OSError):
+                self._die("the output worker closed its pipe while sending logits")
+            if not raw:
+                logits = torch.empty(shape, dtype=torch.float32)
+            else:
+                logits = torch.frombuffer(bytearray(raw), dtype=torch.float32).reshape(shape)
+        if timer is not None:
+            t3 = self._last_return = time.perf_counter()
+            timer.add("logits", t3 - t2)
+            timer.add("execute", t3 - t0)
+        return logits, rows
+
+    def step_timing(self, reset: bool = False) -> dict:
+        """Per-phase step times: ``{"front_end": summary, "ranks": {rank: summary}}``.
+
+        Each summary is ``{phase: {"n", "mean_ms", "median_ms"}}`` (`StepTimer.summary`); empty unless
+        ``KVPILOT_STEP_TIMING=1`` was set when the engine started. Front-end phases: ``send`` (encode,
+        pickle and write the plan to every pipe), ``wait_answer`` (until the output rank's answer),
+        ``logits`` (event wait and copy out of the shared buffer, or read from the pipe), ``execute``
+        (all three), ``host_between_steps`` (from one step's return to the next call: sampling, output
+        work, scheduling). Worker phases: ``idle`` (waiting for a plan), ``recv`` (read, unpickle,
+        decode), ``prepare_launch`` (the rank's host work for the step, until every kernel is queued),
+        ``answer`` (output rank: logits into the buffer or pipe and the answer; includes the GPU time
+        when it synchronizes first), ``gpu_done_after_answer`` (output rank: GPU completion after an
+        early answer), ``gpu_done`` (other GPU ranks: completion after launch). Measuring the GPU
+        phases synchronizes after the answer, never before it. ``reset`` clears all samples after
+        reading them. Safe to call while the engine runs (it waits for the step in flight). In a multi-node group
+        only the leader pod's rank 0 reports.
+
+        Raises:
+            EngineDeadError: a worker failed.
+        """
+        with self._lock:
+            return self._step_timing(reset)
+
+    def _step_timing(self, reset: bool) -> dict:
+        if self._dead is not None:
+            raise self._dead
+        front = self._timer.summary() if self._timer is not None else {}
+        if self._timer is not None and reset:
+            self._timer.reset()
+            self._last_return = None
+        data = pickle.dumps((MSG_TIMING, reset))
+        for conn in self._plan_conns:
+            conn.send_bytes(data)
+        ranks = {}
+        waiting = list(self._plan_conns)
+        while waiting:
+            conn, msg = self._wait_for(waiting, self._step_timeout)
+            if msg[0] != MSG_TIMING:
+                self._die(f"unexpected message {msg[0]!r} while collecting step timing")
+            ranks[msg[1]] = msg[2]
+            waiting = [c for c in waiting if c is not conn]
+        return {"front_end": front, "ranks": ranks}
 
     def _wait_for(self, wanted: list, timeout: float, starting: bool = False):
         """(pipe, message) of the next message on one of ``wanted``; watch every pipe and process meanwhile."""
@@ -342,6 +458,8 @@ class MultiprocExecutor:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_timer", None) is not None and self._timer.samples:
+            logger.info("front-end step timing: %s", self._timer.summary())
         stop = pickle.dumps(None)
         for conn in getattr(self, "_plan_conns", self._conns):
             try:

@@ -18,7 +18,10 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import statistics
+import time
 import traceback
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +40,130 @@ logger = logging.getLogger(__name__)
 MSG_READY = "ready"
 MSG_OK = "ok"
 MSG_ERROR = "error"
+MSG_TIMING = "timing"
+
+# How the output rank hands a step's logits to the front end (the third field of a "step" message).
+LOGITS_PIPE = 0  # raw float32 bytes on the pipe
+LOGITS_SYNC = 1  # the shared CUDA buffer, answered after the worker's stream finished
+LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end waits on an IPC event
+
+
+def _env_flag(name: str, default: str = "1") -> bool:
+    return os.environ.get(name, default) not in ("0", "", "false", "False", "no")
+
+
+def step_timing_enabled() -> bool:
+    """``KVPILOT_STEP_TIMING`` (default 0): 1 records per-phase step times in the front end and workers."""
+    return _env_flag("KVPILOT_STEP_TIMING", "0")
+
+
+def pipe_spin_seconds(device: str) -> float:
+    """``KVPILOT_PIPE_SPIN_US``: how long a wait on a pipe polls before it sleeps in ``select``.
+
+    Default 1000 us on GPUs (a step's answer usually comes sooner than that, and a sleeping process
+    takes tens of microseconds to wake), 0 on CPU (spinning ranks would steal the cores the others
+    compute on).
+    """
+    raw = os.environ.get("KVPILOT_PIPE_SPIN_US")
+    us = float(raw) if raw else (1000.0 if device.startswith("cuda") else 0.0)
+    return max(us, 0.0) * 1e-6
+
+
+def spin_poll(conn, seconds: float) -> bool:
+    """Poll ``conn`` without sleeping for up to ``seconds``; True when data is ready."""
+    if seconds <= 0:
+        return False
+    end = time.perf_counter() + seconds
+    while True:
+        if conn.poll(0):
+            return True
+        if time.perf_counter() >= end:
+            return False
+
+
+class StepTimer:
+    """Durations of named step phases (kept in milliseconds, the last ``keep`` of each).
+
+    `summary` gives ``{phase: {"n", "mean_ms", "median_ms"}}`` in the order phases were first added.
+    """
+
+    def __init__(self, keep: int = 100_000) -> None:
+        self.keep = keep
+        self.samples: dict[str, deque] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        q = self.samples.get(phase)
+        if q is None:
+            q = self.samples[phase] = deque(maxlen=self.keep)
+        q.append(seconds * 1e3)
+
+    def reset(self) -> None:
+        self.samples.clear()
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {k: {"n": len(v), "mean_ms": statistics.fmean(v), "median_ms": statistics.median(v)}
+                for k, v in self.samples.items() if v}
+
+
+# ---- plans on the pipe ---------------------------------------------------------------------------
+# A plan travels as a list of plain tuples (pickling dataclass instances costs ~7x more: 0.5 ms at
+# 256 sequences) and block tables as deltas: `PlanEncoder` remembers, per sequence of the previous
+# plan, the list object it sent and its length; when the same list has only grown (the contract
+# `HostBlockTables` relies on) only the new entries go. `PlanDecoder` keeps one list per sequence and
+# extends it in place, so the worker's `HostBlockTables` sees the same list grow and writes only new
+# entries (an unpickled fresh list every step would rewrite every row). Both sides keep exactly the
+# sequences of the last plan, so they stay in step without any other message.
+_BT_FULL = 0
+_BT_APPEND = 1
+
+
+class PlanEncoder:
+    """Front-end half of the plan encoding (see the comment above)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, tuple[list, int]] = {}
+
+    def encode(self, plan: list[ScheduledSeq]) -> list[tuple]:
+        """``plan`` -> list of ``(seq_id, token_ids, start_pos, mode, blocks, sample, all_logits)``."""
+        sent = self._sent
+        out, now = [], {}
+        for s in plan:
+            bt = s.block_table
+            m = len(bt)
+            prev = sent.get(s.seq_id)
+            if prev is not None and prev[0] is bt and m >= prev[1] and s.seq_id not in now:
+                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_APPEND, bt[prev[1]:], s.sample, s.all_logits))
+            else:
+                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_FULL, bt, s.sample, s.all_logits))
+            now[s.seq_id] = (bt, m)
+        self._sent = now
+        return out
+
+
+class PlanDecoder:
+    """Worker half of the plan encoding: encoded tuples -> ``list[ScheduledSeq]``.
+
+    Raises:
+        KeyError: an append for a sequence the decoder does not hold (encoder and decoder out of step).
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[int, list[int]] = {}
+
+    def decode(self, encoded: list[tuple]) -> list[ScheduledSeq]:
+        tables = self._tables
+        plan, now = [], {}
+        for seq_id, toks, start, mode, blocks, sample, all_logits in encoded:
+            if mode == _BT_APPEND:
+                bt = tables[seq_id]
+                if blocks:
+                    bt.extend(blocks)
+            else:
+                bt = list(blocks)
+            now[seq_id] = bt
+            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits))
+        self._tables = now
+        return plan
 
 
 def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -181,9 +308,18 @@ class Worker:
         # On one GPU node the output rank shares a logits buffer with the front end (CUDA IPC), so
         # a step's [rows, vocab] float32 logits never cross a pipe or the host.
         self.logits_buf = None
+        self.logits_event = None
         if on_gpu and self.is_output and not spec.multi_node and os.environ.get("KVPILOT_LOGITS_IPC", "1") != "0":
             self.logits_buf = torch.empty((spec.max_batch_size, spec.cfg.vocab_size), dtype=torch.float32,
                                           device=self.device)
+            # Answer right after launching the step: the front end's stream waits on this event
+            # (recorded after the logits are in the buffer) instead of this process synchronizing.
+            if _env_flag("KVPILOT_LOGITS_EVENT"):
+                try:
+                    self.logits_event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                except Exception:  # noqa: BLE001 - the synchronizing path still works
+                    logger.warning("cannot create an interprocess CUDA event; answering after a sync",
+                                   exc_info=True)
         logger.info("rank %d (pp %d, tp %d): layers %s, %d KV blocks", rank, self.pp_rank, self.tp_rank,
                     layer_range, self.num_blocks)
 
@@ -229,15 +365,27 @@ class Worker:
         return torch.cat(logits), rows
 
 
-def _send_logits(conn, logits: torch.Tensor, rows: list[int], ipc_buf: Optional[torch.Tensor] = None) -> None:
+def _send_logits(conn, logits: torch.Tensor, rows: list[int], ipc_buf: Optional[torch.Tensor] = None,
+                 event=None) -> Optional[object]:
+    """Answer one step on ``conn``. Returns the CUDA event marking the logits' completion when the
+    answer went out before it (``event`` given), else None.
+
+    ``ipc_buf`` (the buffer shared with the front end) with ``event`` (interprocess, shared too): copy
+    into the buffer, record the event, answer at once; without ``event``: copy, synchronize, answer.
+    Without ``ipc_buf`` (or more rows than it has): header, then the float32 logits as raw bytes.
+    """
     if ipc_buf is not None and logits.shape[0] <= ipc_buf.shape[0]:
         ipc_buf[:logits.shape[0]].copy_(logits)
-        torch.cuda.current_stream().synchronize()  # the front end reads it from another process
+        if event is not None:
+            event.record()  # the front end's stream waits on it; it was recorded before the answer
+        else:
+            torch.cuda.current_stream().synchronize()  # the front end reads it from another process
         conn.send((MSG_OK, tuple(logits.shape), rows, True))
-        return
+        return event
     arr = logits.detach().float().contiguous().cpu().numpy()
     conn.send((MSG_OK, tuple(arr.shape), rows, False))
     conn.send_bytes(memoryview(arr).cast("B"))
+    return None
 
 
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
@@ -245,9 +393,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
     Protocol on ``conn`` (a `multiprocessing` pipe end): the worker sends ``("ready", num_blocks,
     ipc)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
-    None); the front end sends pickled ``("step", plan, use_ipc)`` or ``None`` (stop) as bytes; the
-    output rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not
-    ``in_buffer``, by the float32 logits as raw bytes.
+    None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``);
+    the front end sends pickled ``("step", encoded plan, logits mode)`` (`PlanEncoder`; `LOGITS_PIPE`,
+    `LOGITS_SYNC` or `LOGITS_EVENT`), ``("timing", reset)`` or ``None`` (stop) as bytes; the output
+    rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not ``in_buffer``,
+    by the float32 logits as raw bytes; every rank with a pipe answers ``("timing", rank, summary)``
+    (`StepTimer.summary`, empty unless ``KVPILOT_STEP_TIMING=1``).
     Any exception is sent as ``("error", rank, traceback_text)`` and ends the process with status 1.
     In a multi-node group only rank 0 talks to the front end; the other ranks get plans by broadcast
     and send logits to rank 0 (``conn`` is None on ranks of other nodes).
@@ -261,7 +412,13 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             if worker.logits_buf is not None:
                 from torch.multiprocessing.reductions import reduce_tensor
 
-                ipc = reduce_tensor(worker.logits_buf)
+                ipc = {"logits": reduce_tensor(worker.logits_buf), "event": None}
+                if worker.logits_event is not None:
+                    try:
+                        ipc["event"] = worker.logits_event.ipc_handle()
+                    except Exception:  # noqa: BLE001 - answer after a sync instead
+                        logger.warning("cannot share the logits event; answering after a sync", exc_info=True)
+                        worker.logits_event = None
             conn.send((MSG_READY, worker.num_blocks, ipc))
         _serve(worker, conn)
     except BaseException as e:  # noqa: BLE001 - report anything, including KeyboardInterrupt, then exit
@@ -287,29 +444,73 @@ def _serve(worker: Worker, conn) -> None:
     spec = worker.spec
     rank = worker.rank
     output_rank = (spec.pp_size - 1) * spec.tp_size
+    decoder = PlanDecoder()
+    timer = StepTimer() if step_timing_enabled() else None
+    on_gpu = spec.device.startswith("cuda")
+    spin = pipe_spin_seconds(spec.device)
+    clock = time.perf_counter
     while True:
+        if timer is not None:
+            t_idle = clock()
         if spec.multi_node:
             obj = [None]
             if rank == 0:
                 try:
+                    if not spin_poll(conn, spin):
+                        conn.poll(None)
                     obj = [pickle.loads(conn.recv_bytes())]
                 except EOFError:
                     pass  # the front end is gone: broadcast the stop
             group = worker.ctrl
             dist.broadcast_object_list(obj, src=0, group=group)
             msg = obj[0]
+            if timer is not None:
+                t_recv = clock()
         else:
             try:
+                if not spin_poll(conn, spin):
+                    conn.poll(None)
+                if timer is not None:
+                    t_recv = clock()
                 msg = pickle.loads(conn.recv_bytes())
             except EOFError:
-                return  # the front end is gone
+                msg = None  # the front end is gone
         if msg is None:
+            if timer is not None and timer.samples:
+                logger.info("rank %d step timing: %s", rank, timer.summary())
             return
-        _kind, plan, use_ipc = msg
+        if msg[0] == MSG_TIMING:
+            summary = timer.summary() if timer is not None else {}
+            if timer is not None and msg[1]:
+                timer.reset()
+            if conn is not None:
+                conn.send((MSG_TIMING, rank, summary))
+            continue
+        _kind, encoded, logits_mode = msg
+        plan = decoder.decode(encoded)
+        if timer is not None:
+            t_plan = clock()
+            timer.add("idle", t_recv - t_idle)
+            timer.add("recv", t_plan - t_recv)
         result = worker.execute(plan)
+        if timer is not None:
+            t_launch = clock()
+            timer.add("prepare_launch", t_launch - t_plan)
+        pending = None
         if not spec.multi_node or output_rank == 0:
             if worker.is_output:
-                _send_logits(conn, *result, worker.logits_buf if use_ipc else None)
+                buf = worker.logits_buf if logits_mode != LOGITS_PIPE else None
+                event = worker.logits_event if logits_mode == LOGITS_EVENT else None
+                pending = _send_logits(conn, *result, buf, event)
+                if timer is not None:
+                    t_sent = clock()
+                    timer.add("answer", t_sent - t_launch)
+                    if pending is not None:
+                        pending.synchronize()  # timing only: after the answer, so it delays nothing
+                        timer.add("gpu_done_after_answer", clock() - t_sent)
+            elif timer is not None and on_gpu:
+                torch.cuda.current_stream().synchronize()  # timing only
+                timer.add("gpu_done", clock() - t_launch)
             continue
         # Multi-node: the output rank may live on another node; rank 0 relays its logits.
         if worker.is_output:

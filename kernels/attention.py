@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 
 import torch
 import triton
@@ -59,6 +60,13 @@ TUNING = {
         "batch_num_warps": 2,
         "batch_num_stages": 3,
         "batch_num_stages_fp8": 2,  # FP8 cache, same case: 254 us with 2 stages, 264 us with 3
+        # Register cap of the full-batch launch (ptxas .maxnreg; None = the compiler's choice). The
+        # FP8 kernel used 207 registers a thread, so only 4 programs (8 warps) fit an SM and it ran
+        # latency-bound at 45% of DRAM bandwidth (ncu). Capped at 168 (6 programs per SM) it took
+        # 241.5 instead of 253.5 us per layer at batch 256 x 1,280 keys and 402 instead of 438 us at
+        # batch 448 (H200; 128 spilled: 274 us). The bf16 kernel is bandwidth-bound already.
+        "batch_maxnreg": None,
+        "batch_maxnreg_fp8": 168,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -96,7 +104,7 @@ def _prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.con
     return seq, t - before, total
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
@@ -234,26 +242,29 @@ def _prefill_reduce_kernel(
 
 
 @triton.jit
-def _split_size(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Keys per split of one sequence: its own context over ``NUM_SPLITS``, in whole ``BLOCK_N``
+def _split_size(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """Keys per split of one sequence: its own context over ``num_splits``, in whole ``BLOCK_N``
     tiles and at least ``MIN_SPLIT``. Taken from the sequence's length on the device (not from the
     launch's upper bound), so a CUDA graph captured for a long context bound still spreads a short
     context over several programs; the decode and reduce kernels compute it alike."""
-    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     return tl.maximum(per, MIN_SPLIT)
 
 
-@triton.jit
+# The split count and the block-table row stride change from step to step (eager steps): as runtime
+# values that Triton does not specialise on, they do not compile a new kernel variant each time one
+# is seen for the first time (each compile stalled an H200 engine step for ~1 s).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2,
+    scale_log2, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -265,7 +276,7 @@ def _decode_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size = _split_size(seq_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     kv_start = split * partition_size
     if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
         return
@@ -327,24 +338,24 @@ def _decode_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=g_ok[:, None] & d_ok[None, :],
         )
     else:
-        # part_out: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM_PAD]; part_lse: [.., NUM_SPLITS].
-        row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + split
+        # part_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM_PAD]; part_lse: [.., num_splits].
+        row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, qsl_ptr, num_splits,
     stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
@@ -353,10 +364,10 @@ def _reduce_kernel(
     if tl.load(qsl_ptr + seq + 1) - q_start != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = tl.cdiv(seq_len, _split_size(seq_len, NUM_SPLITS, BLOCK_N, MIN_SPLIT))
+    num_valid = tl.cdiv(seq_len, _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT))
     sp = tl.arange(0, SPLITS_PAD)
-    sp_ok = (sp < num_valid) & (sp < NUM_SPLITS)
-    row = (seq.to(tl.int64) * NUM_HEADS + head) * NUM_SPLITS + sp
+    sp_ok = (sp < num_valid) & (sp < num_splits)
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + sp
     lse = tl.load(part_lse_ptr + row, mask=sp_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
     w = w / tl.sum(w, 0)
@@ -556,20 +567,23 @@ def paged_attention_triton(
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
-        scale_log2, *common_strides,
-        NUM_HEADS=num_heads, NUM_SPLITS=splits, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
+        scale_log2, splits, *common_strides,
+        NUM_HEADS=num_heads, SPLIT=splits > 1, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16,
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),
+        # (a compile option: the CPU interpreter has no registers to cap)
+        **({"maxnreg": maxnreg} if full and maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )  # fmt: skip
     if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc,
+            out, part_out, part_lse, seq_lens, query_start_loc, splits,
             out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            NUM_HEADS=num_heads, SPLITS_PAD=triton.next_power_of_2(splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=block_n, MIN_SPLIT=min_split,
             # One warp holds SPLITS_PAD x HEAD_DIM_PAD fp32 partials: past 16 splits of 128 dims
             # ptxas spilled registers (tests/compile_kernels.py), so more warps share them.

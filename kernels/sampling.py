@@ -10,9 +10,15 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
   sorting. ``_max_kernel``: the row max ``m``. ``_stats_kernel`` (stage 1): count and approximate
   mass of the tokens above 16 fixed depths below ``m``, from which a window ``[c_lo, c_hi)`` of
   values is chosen that must hold every boundary (top-k's k-th token, top-p's last token); when the
-  window holds more than ``wcap`` tokens, stage 2 counts again at 16 depths inside it.
+  window holds more than ``wcap`` tokens, stage 2 counts again at 16 depths inside it (rows that
+  need no refinement return at once). The stats are guidance only, so they skip the exact
+  division (``x >= c * T`` for ``z >= c``), use ``exp2`` for masses, and sum no masses at all for
+  rows without top-p; a wrong guess costs a hand-off (below), never a wrong token.
   ``_collect_kernel``: exact count and mass above the window, the best noisy token there, and the
-  window's tokens copied out. ``_resolve_kernel``: exact top-k, top-p and min-p inside the window,
+  window's tokens copied out; exact masses of every token only for top-p without top-k (the only
+  case that needs the row's total), else only in blocks holding tokens above the window, which
+  are also the only blocks where noise is made. ``_resolve_kernel``: exact top-k, top-p and min-p
+  inside the window (the top-k cut searches token ids only when it falls inside tied values),
   then the Gumbel-max winner among kept tokens (Pareto search: the winner is the highest-noise
   token whose rank is inside the prefix, found in a few masked arg-max rounds).
 
@@ -49,7 +55,8 @@ _INT_MAX = tl.constexpr(2147483647)
 
 CONFIG = {
     "chunk": 4096,  # vocabulary columns per program of the full passes
-    "block": 1024,  # columns per loop step of the plain/max/collect passes
+    "block": 1024,  # columns per loop step of the plain/max passes
+    "collect_block": 512,  # columns per loop step of the collect pass (< 4096; fewer registers)
     "stats_block": 256,  # columns per loop step of the stats pass (x 16 levels of accumulators)
     "wcap": 8192,  # tokens a window may hold (per row); more -> stage 2, then the exact path
 }
@@ -149,6 +156,24 @@ def _plan(c, n, mass, c_top, n_top, m_top, c_bot, n_bot, m_bot, k, p, thr_m, m, 
             _pick(lo, c, c_bot), _pick(lo, n, n_bot), _pick(lo, mass, m_bot))
 
 
+@triton.jit
+def _level_counts(base, V, s, cx, xm, sc, MASS: tl.constexpr, L: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """[L] counts of x >= cx[l] in chunk s, and (MASS) their approximate masses exp2((x - xm) * sc).
+
+    Levels are the first axis so that each thread keeps all L accumulators of its columns."""
+    acc_n = tl.zeros([L, BLOCK], tl.int32)
+    acc_m = tl.zeros([L, BLOCK], tl.float32)
+    for start in range(0, CHUNK, BLOCK):
+        cols = s * CHUNK + start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        ge = x[None, :] >= cx[:, None]
+        acc_n += ge.to(tl.int32)
+        if MASS:
+            acc_m += tl.where(ge, tl.exp2((x - xm) * sc)[None, :], 0.0)
+    return tl.sum(acc_n, 1), tl.sum(acc_m, 1)
+
+
 # ---- kernels -----------------------------------------------------------------------------------
 @triton.jit
 def _plain_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pval_ptr, pidx_ptr, NS,
@@ -198,7 +223,9 @@ def _stats_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, dept
                   pcnt1_ptr, pmass1_ptr, planf_ptr, plani_ptr, sub_ptr, pcnt2_ptr, pmass2_ptr, NS, WCAP,
                   STAGE: tl.constexpr, L: tl.constexpr, SP: tl.constexpr,
                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Count and approximate mass (float32) of the tokens with z >= c_l for L thresholds c_l.
+    """Count and approximate mass (float32; 0 for rows without top-p) of the tokens with z >= c_l
+    for L thresholds c_l, compared as x >= c_l * T (a token within rounding of c_l may count on
+    either side: these are guidance, collect and resolve decide exactly).
 
     Stage 1: c_l = m - STAGE1_DEPTHS[l]. Stage 2 (rows whose stage-1 window is over capacity):
     L thresholds evenly inside that window. Stage 2's first program of a row stores the stage-1
@@ -208,10 +235,13 @@ def _stats_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, dept
     s = tl.program_id(1)
     r = tl.load(rows_ptr + i)
     t = tl.load(fprm_ptr + r * 4)
-    m = tl.math.div_rn(_row_max(pmax_ptr, i, NS, SP), t)
+    xm = _row_max(pmax_ptr, i, NS, SP)
+    m = tl.math.div_rn(xm, t)
     lev = tl.arange(0, L)
     if STAGE == 1:
-        c = m - tl.load(depth_ptr + lev)
+        depth = tl.load(depth_ptr + lev)
+        c = m - depth
+        cx = xm - depth * t  # level 0 is exactly the max: it always counts the best token
         work = m > float("-inf")
         pcnt_ptr = pcnt1_ptr
         pmass_ptr = pmass1_ptr
@@ -240,23 +270,21 @@ def _stats_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, dept
             tl.store(plani_ptr + i * 4 + 1, n_lo)
             tl.store(plani_ptr + i * 4 + 2, work.to(tl.int32))
             tl.store(sub_ptr + i * L + lev, c)
+        cx = c * t
         pcnt_ptr = pcnt2_ptr
         pmass_ptr = pmass2_ptr
     if work:
+        # Guidance only, so in raw-logit units without the exact division: x >= cx ~ c * t stands
+        # for z >= c, and exp2((x - x_max) * log2(e) / t) for exp(z - m).
+        sc = 1.4426950408889634 / t
         base = x_ptr + r.to(tl.int64) * stride
-        acc_n = tl.zeros([BLOCK, L], tl.int32)
-        acc_m = tl.zeros([BLOCK, L], tl.float32)
-        for start in range(0, CHUNK, BLOCK):
-            cols = s * CHUNK + start + tl.arange(0, BLOCK)
-            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            z = tl.math.div_rn(x, t)
-            w = tl.exp(tl.where(z > float("-inf"), z - m, float("-inf")))  # approximate: guidance only
-            ge = z[:, None] >= c[None, :]
-            acc_n += ge.to(tl.int32)
-            acc_m += tl.where(ge, w[:, None], 0.0)
+        if _flag(tl.load(fprm_ptr + r * 4 + 1) < 1.0):  # only top-p's plan reads the masses
+            n_l, mass_l = _level_counts(base, V, s, cx, xm, sc, True, L, CHUNK, BLOCK)
+        else:
+            n_l, mass_l = _level_counts(base, V, s, cx, xm, sc, False, L, CHUNK, BLOCK)
         off = (i * NS + s) * L + lev
-        tl.store(pcnt_ptr + off, tl.sum(acc_n, 0))
-        tl.store(pmass_ptr + off, tl.sum(acc_m, 0))
+        tl.store(pcnt_ptr + off, n_l)
+        tl.store(pmass_ptr + off, mass_l)
 
 
 @triton.jit
@@ -295,8 +323,11 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
     if s == 0:
         tl.store(win_ptr + i * 2, c_hi)
         tl.store(win_ptr + i * 2 + 1, c_lo)
+    # The row's total mass is needed only by top-p without top-k; otherwise masses are summed only
+    # in blocks holding tokens above the window, and the noise is made only there too.
+    need_w = _flag(p < 1.0) & _flag(k == 0)
     base = x_ptr + r.to(tl.int64) * stride
-    n_acc = tl.zeros([BLOCK], tl.int32)
+    n_hi = tl.full((), 0, tl.int32)
     mhi_acc = tl.zeros([BLOCK], tl.int64)
     w_acc = tl.zeros([BLOCK], tl.int64)
     best_y = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -306,19 +337,24 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
             cols = s * CHUNK + start + tl.arange(0, BLOCK)
             inr = cols < V
             z = tl.math.div_rn(tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32), t)
-            q = _mass(z, m, PRECISE)
-            w_acc += q
             hi = inr & (z >= c_hi)
-            n_acc += hi.to(tl.int32)
-            mhi_acc += tl.where(hi, q, 0)
-            cand = hi & (z >= thr_m)
-            if tl.max(cand.to(tl.int32), 0) > 0:
+            win = inr & (z >= c_lo) & (z < c_hi)
+            packed = tl.sum(win.to(tl.int32) + hi.to(tl.int32) * 4096, 0)  # one reduction: both counts
+            nh = packed >> 12
+            nw = packed & 4095
+            n_hi += nh
+            if need_w:
+                q = _mass(z, m, PRECISE)
+                w_acc += q
+                mhi_acc += tl.where(hi, q, 0)
+            elif nh > 0:
+                mhi_acc += tl.where(hi, _mass(z, m, PRECISE), 0)
+            if nh > 0:
+                cand = hi & (z >= thr_m)
                 y = z + _gumbel(key, cols)
                 upd = cand & ((y > best_y) | ((y == best_y) & (cols < best_i)))
                 best_y = tl.where(upd, y, best_y)
                 best_i = tl.where(upd, cols, best_i)
-            win = inr & (z >= c_lo) & (z < c_hi)
-            nw = tl.sum(win.to(tl.int32), 0)
             if nw > 0:
                 start_pos = tl.atomic_add(wcnt_ptr + i, nw)
                 pos = start_pos + tl.cumsum(win.to(tl.int32), 0) - 1
@@ -326,7 +362,7 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
                 tl.store(wz_ptr + i.to(tl.int64) * WCAP + pos, z, mask=ok)
                 tl.store(wid_ptr + i.to(tl.int64) * WCAP + pos, cols, mask=ok)
     o = i * NS + s
-    tl.store(pn_ptr + o, tl.sum(n_acc, 0))
+    tl.store(pn_ptr + o, n_hi)
     tl.store(pmhi_ptr + o, tl.sum(mhi_acc, 0))
     tl.store(pw_ptr + o, tl.sum(w_acc, 0))
     yb = tl.max(best_y, 0)
@@ -347,17 +383,21 @@ def _topk_in_window(z, ids, valid, kk):
         bit = bit >> 1
     need = kk - tl.sum((valid & (ukey > tkey)).to(tl.int32), 0)
     tie = valid & (ukey == tkey)
-    idc = tl.full((), 0, tl.int32)
-    ibit = tl.full((), 1 << 30, tl.int32)
-    for _ in range(31):  # the need-th smallest id among the tied tokens
-        cand = idc | ibit
-        cnt = tl.sum((tie & (ids < cand)).to(tl.int32), 0)
-        idc = tl.where(cnt < need, cand, idc)
-        ibit = ibit >> 1
+    idc = tl.full((), _INT_MAX, tl.int32)  # every tied token is kept (the usual case: no tie)
+    if need < tl.sum(tie.to(tl.int32), 0):
+        idc = tl.full((), 0, tl.int32)
+        ibit = tl.full((), 1 << 30, tl.int32)
+        for _ in range(31):  # the need-th smallest id among the tied tokens
+            cand = idc | ibit
+            cnt = tl.sum((tie & (ids < cand)).to(tl.int32), 0)
+            idc = tl.where(cnt < need, cand, idc)
+            ibit = ibit >> 1
     return valid & ((ukey > tkey) | (tie & (ids <= idc)))
 
 
-@triton.jit
+# The filtered-row count (and, below, the logprobs count) change from step to step: Triton does not
+# specialise on them, so a new value (1, a multiple of 16, anything else) compiles no new variant.
+@triton.jit(do_not_specialize=["NF"])
 def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, win_ptr, wz_ptr, wid_ptr,
                     wcnt_ptr, pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, pval_ptr, pidx_ptr, NF, NS, NSP,
                     WCAP: tl.constexpr, SP: tl.constexpr, SPP: tl.constexpr, PRECISE: tl.constexpr):
@@ -437,7 +477,7 @@ def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr,
         tl.store(out_ptr + r, tok.to(tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _logprob_kernel(x_ptr, stride, V, rows_ptr, chosen_ptr, pmax_ptr, psum_ptr, pcnt_ptr, cval_ptr, cid_ptr,
                     NS, N, CHUNK: tl.constexpr):
     """Per chunk of a raw-logits row: max, sum of exp(x - max), count of x > x[chosen], and the
@@ -542,14 +582,14 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
         grid = (F, NS)
         _max_kernel[grid](logits, stride, V, filt_rows, pmax, wcnt, NS, CHUNK=chunk, BLOCK=cfg["block"],
                           num_warps=4)
-        sb = cfg["stats_block"]
+        sb = min(cfg["stats_block"], chunk)
         for stage in (1, 2):
             _stats_kernel[grid](logits, stride, V, filt_rows, fprm, iprm, pmax, depths, pcnt1, pmass1,
                                 planf, plani, sub, pcnt2, pmass2, NS, wcap, STAGE=stage, L=L, SP=SP,
                                 CHUNK=chunk, BLOCK=sb, num_warps=8)
         _collect_kernel[grid](logits, stride, V, filt_rows, fprm, iprm, pmax, planf, plani, sub, pcnt2, pmass2,
                               win, wz, wid, wcnt, pn, pmhi, pw, pyb, pib, NS, wcap, L=L, SP=SP, CHUNK=chunk,
-                              BLOCK=cfg["block"], PRECISE=precise, num_warps=4)
+                              BLOCK=min(cfg["collect_block"], chunk), PRECISE=precise, num_warps=4)
     else:
         # Unused by the launch below (no filtered rows), but the kernel is still compiled for their
         # dtypes: every placeholder must have the dtype of the buffer it stands for.

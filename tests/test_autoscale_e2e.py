@@ -240,7 +240,10 @@ async def test_autoscaling_end_to_end(operator_env, engines):
         logging.getLogger(__name__).info("operator restarted")
         await env.wait_for(lambda: replicas(env) == 1, timeout=DOWN_WINDOW + 10 * INTERVAL)
         t_fall = time.monotonic()
-        assert t_fall - t_stop >= DOWN_WINDOW - INTERVAL, "scaled down inside the window"
+        # The window may have begun one scrape before the load stopped (a scrape that lands while the
+        # streams restart reads low, as above), hence two intervals of slack; without a window the
+        # replica would go within about one interval.
+        assert t_fall - t_stop >= DOWN_WINDOW - 2 * INTERVAL, "scaled down inside the window"
         assert t_fall - t_back < DOWN_WINDOW, "the window restarted with the operator"
         await env.wait_for(lambda: len(rs.pods) == 1, timeout=5)
         victim, annotations = rs.deleted[-1]

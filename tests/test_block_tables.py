@@ -235,3 +235,28 @@ def test_scheduler_running_list_after_finishes_and_preemptions():
     for s in list(sched.running):
         sched.finish(s)
     assert sched.running == [] and not sched.has_work and kv.num_used_blocks == 0
+
+
+def test_runner_inputs_are_16_byte_aligned(tmp_path):
+    """Every input tensor of an eager step starts on a 16-byte boundary (Triton compiles a separate
+    kernel variant for a misaligned pointer), whatever the token and sequence counts, and holds
+    exactly its own values."""
+    from engine_helpers import make_tiny_llama
+    from kvpilot import LLM, KvCacheConfig
+
+    path = make_tiny_llama(tmp_path / "m", seed=3, layers=1)
+    with LLM(str(path), skip_tokenizer_init=True, device="cpu", max_batch_size=4, max_seq_len=64,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=512)) as llm:
+        runner = llm._executor
+        for q_lens in ([1], [3], [1, 2], [5, 1, 1], [2, 2, 3]):  # odd and even token/sequence counts
+            seqs = [ScheduledSeq(50 + i, list(range(7, 7 + q)), 0, [10 + i, 20 + i], True)
+                    for i, q in enumerate(q_lens)]
+            ids, pos, meta, sample_idx, sample_t = runner._prepare(seqs)
+            for t in (ids, pos, meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                      sample_t):
+                assert t.data_ptr() % 16 == 0
+            assert ids.tolist() == [t for q in q_lens for t in range(7, 7 + q)]
+            assert pos.tolist() == [p for q in q_lens for p in range(q)]
+            assert meta.seq_lens.tolist() == q_lens
+            assert meta.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(q_lens)]).tolist()
+            assert sample_t.tolist() == sample_idx == (np.cumsum(q_lens) - 1).tolist()

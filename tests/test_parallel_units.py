@@ -77,3 +77,64 @@ def test_worker_spec_for_a_leader_worker_set(stories_model_dir):
                          LwsGroup("h", 3, 0, 1))
     local = make_worker_spec(stories_model_dir, cfg, KvCacheConfig(), 512, 8, 256, "cpu", "auto", 2, 1, None)
     assert local.init_method.startswith("tcp://127.0.0.1:") and not local.multi_node
+
+
+def _roundtrip(enc, dec, plan):
+    import pickle
+
+    got = dec.decode(pickle.loads(pickle.dumps(enc.encode(plan))))
+    assert [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits) for s in got] == \
+        [(s.seq_id, s.token_ids, s.start_pos, s.block_table, s.sample, s.all_logits) for s in plan]
+    return got
+
+
+def test_plan_encoding_sends_block_table_deltas_and_keeps_worker_lists():
+    from kvpilot.parallel_worker import PlanDecoder, PlanEncoder
+
+    enc, dec = PlanEncoder(), PlanDecoder()
+    a, b = [3, 4], [9]
+    plan = [ScheduledSeq(0, [1, 2, 3], 0, a, False), ScheduledSeq(1, [7], 5, b, True, True)]
+    first = _roundtrip(enc, dec, plan)
+    a.append(5)  # grows in place: only the new block is sent, the worker extends its own list
+    plan = [ScheduledSeq(0, [8], 3, a, True), ScheduledSeq(1, [2], 6, b, True)]
+    encoded = enc.encode(plan)
+    assert [e[3:5] for e in encoded] == [(1, [5]), (1, [])]
+    second = dec.decode(encoded)
+    assert [s.block_table for s in second] == [[3, 4, 5], [9]]
+    assert second[0].block_table is first[0].block_table  # identity kept: HostBlockTables appends
+    # A replaced list, a sequence that skipped a step, and a duplicate id all travel in full.
+    a2 = [6, 7]
+    plan = [ScheduledSeq(0, [1], 4, a2, True)]
+    assert enc.encode(plan)[0][3:5] == (0, a2)
+    enc, dec = PlanEncoder(), PlanDecoder()
+    lists = {0: [1], 1: [2], 2: [3]}
+    for step in range(6):
+        ids = [i for i in range(3) if (i + step) % 3]  # each sequence is absent every third step
+        for i in ids:
+            lists[i].append(10 * step + i)
+        plan = [ScheduledSeq(i, [i], step, lists[i], True) for i in ids]
+        if step == 4:
+            plan.append(ScheduledSeq(ids[0], [0], step, [99, 98], False))  # same id twice (a fork)
+        _roundtrip(enc, dec, plan)
+
+
+def test_step_timer_summary_matches_statistics():
+    import statistics
+
+    from kvpilot.parallel import format_step_timing
+    from kvpilot.parallel_worker import StepTimer
+
+    t = StepTimer(keep=3)
+    for x in (0.001, 0.004, 0.002, 0.010):
+        t.add("send", x)
+    t.add("wait", 0.5)
+    got = t.summary()
+    kept = [4.0, 2.0, 10.0]  # the last 3, in milliseconds
+    assert list(got) == ["send", "wait"]
+    assert got["send"]["n"] == 3
+    assert got["send"]["mean_ms"] == pytest.approx(statistics.fmean(kept))
+    assert got["send"]["median_ms"] == pytest.approx(statistics.median(kept))
+    text = format_step_timing({"front_end": got, "ranks": {1: {"idle": got["wait"]}}})
+    assert "front end  send" in text and "rank 1" in text and "500.000" in text
+    t.reset()
+    assert t.summary() == {}

@@ -57,6 +57,25 @@ def _kernel_draw(logits, rows, **config):
         ks.CONFIG.update(saved)
 
 
+# A kernel storing `_topk_in_window`'s mask (helpers are callable only from kernels; the interpreter
+# resolves the defining module's globals, not closures, hence module level).
+try:
+    import triton
+    import triton.language as tl
+
+    from kvpilot.kernels.sampling import _topk_in_window
+
+    @triton.jit
+    def _TOPK_MASK_KERNEL(z_ptr, id_ptr, n, kk, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        valid = offs < n
+        z = tl.load(z_ptr + offs, mask=valid, other=float("-inf"))
+        ids = tl.load(id_ptr + offs, mask=valid, other=2147483647)
+        tl.store(out_ptr + offs, _topk_in_window(z, ids, valid, kk).to(tl.int32))
+except ImportError:  # pragma: no cover - no Triton: the interpreter tests are skipped anyway
+    _TOPK_MASK_KERNEL = None
+
+
 # ---- semantics of the reference ------------------------------------------------------------------
 def test_ties_are_cut_by_token_id():
     """Top-k and top-p cut inside a group of equal values keep the lowest token ids."""
@@ -115,6 +134,7 @@ interpret_only = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kerne
     (0, {}),                                  # one chunk, windows never over capacity
     (1, {"chunk": 1024, "block": 256}),       # several chunks per row (partial reductions)
     (2, {"chunk": 1024, "block": 256, "wcap": 128}),  # crowded windows: stage 2, hand-offs
+    (3, {"chunk": 512, "block": 256, "collect_block": 128, "stats_block": 64}),  # many blocks per chunk
 ])
 def test_triton_kernels_equal_exact(seed, config):
     logits, rows = _batch(seed, 12, 1500, step=seed)
@@ -126,6 +146,49 @@ def test_triton_kernels_equal_exact(seed, config):
         assert len(settled) == len(rows)  # nothing handed to the exact path
     else:
         assert len(settled) >= len(rows) // 2
+
+
+@interpret_only
+def test_triton_filter_kinds_settle_every_row_exactly():
+    """Each filter kind takes its own branches: top-p alone sums the whole row's mass, the others
+    only blocks above the window (most blocks hold none at collect_block 64); top-k cut inside a
+    group of tied values searches token ids, without ties it skips that search; min-p alone skips
+    the stage-1 masses. Every row must settle (no hand-off) on the reference's token."""
+    g = torch.Generator().manual_seed(13)
+    V = 1500
+    logits = torch.randn(16, V, generator=g) * 3
+    logits[8:12] = (logits[8:12] * 2).round() / 2  # coarse grid: many ties at the k-th value
+    settings = [(1.0, 50, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.0, 0, 0.9, 0.0), (1.3, 0, 0.5, 0.0),
+                (0.8, 100, 0.9, 0.05), (1.0, 0, 1.0, 0.1), (0.6, 0, 1.0, 0.3), (1.0, 20, 0.95, 0.0),
+                (1.0, 7, 1.0, 0.0), (1.0, 30, 1.0, 0.0), (0.9, 3, 0.99, 0.0), (1.0, 0, 0.8, 0.0),
+                (1.0, 1, 1.0, 0.0), (2.0, 0, 0.3, 0.0), (0.5, 200, 1.0, 0.0), (1.0, 0, 0.999, 0.02)]
+    rows = [SamplingRow(temperature=t, top_k=k, top_p=p, min_p=mp, seed=100 + i, step=3)
+            for i, (t, k, p, mp) in enumerate(settings)]
+    assert any(int((logits[i] >= logits[i].topk(k).values[-1]).sum()) > k
+               for i, (_, k, _, _) in enumerate(settings) if 8 <= i < 12 and k)  # a cut inside ties
+    want = Sampler("exact").choose(logits, rows)
+    for config in ({}, {"chunk": 256, "block": 256, "collect_block": 64, "stats_block": 64}):
+        assert _kernel_draw(logits, rows, **config) == want
+
+
+@interpret_only
+@pytest.mark.parametrize("grid", [0.0, 0.5])
+def test_topk_in_window_equals_a_stable_sort(grid):
+    """The window's top-k mask (kk best by value desc, id asc) equals a stable sort's, with ties
+    (values on a 0.5 grid: the cut falls inside a group of equal values) and without."""
+    g = torch.Generator().manual_seed(21)
+    n = 200
+    z = torch.randn(n, generator=g) * 2
+    if grid:
+        z = (z / grid).round() * grid
+    ids = torch.randperm(5000, generator=g)[:n].to(torch.int32)  # window order is arbitrary
+    for kk in (1, 3, 17, 64, 199):
+        out = torch.zeros(256, dtype=torch.int32)
+        _TOPK_MASK_KERNEL[(1,)](z, ids, n, kk, out, N=256)
+        order = sorted(range(n), key=lambda j: (-float(z[j]), int(ids[j])))
+        want = torch.zeros(256, dtype=torch.int32)
+        want[order[:kk]] = 1
+        assert out.tolist() == want.tolist()
 
 
 @interpret_only

@@ -1,0 +1,152 @@
+"""Where a tensor/pipeline-parallel decode step's time goes (2 GPUs, Llama-3.1-8B shape, random bf16).
+
+For each layout (default ``1x1``, ``2x1``, ``2x1`` with the pre-issue-9 answer path, ``1x2``), one
+`LLM` in turn on the random model of ``benchmarks/gpu_random_model.py`` (written once to
+``--model-dir``, reused when present):
+
+- greedy tokens of 4 fixed prompts x 32 tokens, compared with the first layout's;
+- batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N,
+  median of 3, after a warm-up;
+- with ``KVPILOT_STEP_TIMING=1`` (set here for every layout), the per-phase table of
+  `MultiprocExecutor.step_timing` over exactly those ITL runs (front end: send / wait_answer /
+  logits / host_between_steps; each rank: idle / recv / prepare_launch / answer / GPU completion).
+
+A layout is ``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` (environment for that layout only); the default
+``2x1:KVPILOT_LOGITS_EVENT=0;KVPILOT_PIPE_SPIN_US=0`` is the old answer path (the output worker
+synchronizes before answering, no pipe spinning) for an A/B on the same machine.
+
+Self-check (exit status 1): a layout's first generated token differs from the first layout's, or two
+layouts of the same ``TxP`` shape (A/B variants: same kernels) differ in any token. Later tokens of
+a different shape may diverge on random weights (bf16, another summation order): the first
+divergence index is printed. Results also go to ``$OUT/gpu_tp_profile.json``.
+
+Usage (an nvidia-h200-x2, about 2-3 minutes; from the repo root by path, never ``python -m``):
+``python3 benchmarks/gpu_tp_profile.py``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+
+DEFAULT_LAYOUTS = "1x1,2x1,2x1:KVPILOT_LOGITS_EVENT=0;KVPILOT_PIPE_SPIN_US=0,1x2"
+
+
+def _layout(text: str) -> tuple[int, int, dict]:
+    shape, _, env = text.partition(":")
+    tp, pp = (int(v) for v in shape.split("x"))
+    return tp, pp, dict(kv.split("=", 1) for kv in env.split(";") if kv)
+
+
+def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
+    from kvpilot import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True,
+              max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device)
+    res: dict = {"tp": tp, "pp": pp, "load_s": round(time.perf_counter() - t0, 1)}
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.greedy_len, ignore_eos=True),
+                            use_tqdm=False)
+        res["greedy"] = [o.outputs[0].token_ids for o in outs]
+
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            return time.perf_counter() - t
+
+        timed(a.itl_tokens + 1)  # warm-up
+        timing = getattr(llm._executor, "step_timing", None)
+        if timing is not None:
+            timing(reset=True)
+        itl = [(timed(a.itl_tokens + 1) - timed(1)) / a.itl_tokens for _ in range(3)]
+        res["itl_ms"] = statistics.median(itl) * 1e3
+        res["itl_ms_all"] = [round(x * 1e3, 3) for x in itl]
+        if timing is not None:
+            res["timing"] = timing()
+    finally:
+        llm.shutdown()
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu_tp_profile"))
+    p.add_argument("--model-dir", default="/tmp/kvpilot_random_8b")
+    p.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--layouts", default=DEFAULT_LAYOUTS)
+    p.add_argument("--greedy-len", type=int, default=32)
+    p.add_argument("--itl-tokens", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=8, help="few graphs to capture: batch 1 is measured")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ["KVPILOT_STEP_TIMING"] = "1"
+    from kvpilot.parallel import format_step_timing
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = TINY if a.tiny else LLAMA31_8B
+    model = Path(a.model_dir + ("_tiny" if a.tiny else ""))
+    t_start = time.perf_counter()
+    if not (model / "config.json").is_file():
+        write_random_llama(model, cfg, device="cuda" if torch.cuda.is_available() else "cpu")
+        print(f"wrote {model} in {time.perf_counter() - t_start:.1f} s", flush=True)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, cfg["vocab_size"], (n,), generator=g).tolist() for n in (16, 40, 7, 100)]
+    results, ok = [], True
+    for text in a.layouts.split(","):
+        tp, pp, env = _layout(text)
+        os.environ.update(env)
+        try:
+            res = run_layout(model, tp, pp, a, prompts)
+        except Exception as e:  # noqa: BLE001 - report it and go on with the next layout
+            logging.exception("layout %s failed", text)
+            res = {"tp": tp, "pp": pp, "error": repr(e)[:2000]}
+            ok = False
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+        res["layout"] = text
+        results.append(res)
+        (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
+        if "error" in res:
+            print(f"== {text}: FAILED {res['error'][:300]}", flush=True)
+            continue
+        ref = results[0].get("greedy")
+        div = [next((i for i, (x, y) in enumerate(zip(r, o)) if x != y), len(r)) for r, o in zip(ref, res["greedy"])]
+        twin = next((r for r in results[:-1] if (r["tp"], r["pp"]) == (tp, pp) and "greedy" in r), None)
+        bad_first = any(d == 0 for d in div)
+        bad_twin = twin is not None and twin["greedy"] != res["greedy"]
+        ok &= not (bad_first or bad_twin)
+        res["first_divergence"] = div
+        print(f"== {text}: batch-1 ITL {res['itl_ms']:.3f} ms (runs {res['itl_ms_all']}), load {res['load_s']} s; "
+              f"greedy vs {results[0]['layout']}: first divergence per prompt {div} of {a.greedy_len}"
+              + ("  FIRST TOKEN DIFFERS" if bad_first else "")
+              + (f"  DIFFERS FROM {twin['layout']}" if bad_twin else ""), flush=True)
+        if res.get("timing"):
+            print(format_step_timing(res["timing"]), flush=True)
+        (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
+    base = results[0].get("itl_ms")
+    print("\nlayout                                         ITL ms   vs first")
+    for r in results:
+        if "itl_ms" in r:
+            print(f"{r['layout']:<46} {r['itl_ms']:>7.3f}   {r['itl_ms'] / base:>6.2f}x" if base else r["layout"])
+    print(f"total {time.perf_counter() - t_start:.0f} s; {'OK' if ok else 'MISMATCH (see above)'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,9 +25,11 @@ time at batch ``--sampler-batch`` under greedy, temperature, top-k, top-p and to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -167,15 +169,12 @@ def profile(llm, log, prompts, input_len: int, output_len: int, name: str, out) 
               f"{100 * e.self_device_time_total / total_us:.1f}% |")
 
 
-def anatomy(llm, log, prompts, output_len: int, name: str) -> None:
-    """Where a decode-only engine step's wall time goes, without a profiler: CUDA events recorded
-    right before the executor's call (the GPU is idle then: the last step ended with the sampler's
-    read) and right after it returns (graph replay queued), and after the sampler's launch; host
-    clocks around the executor call. Medians over the steps in which every request decodes."""
-    import statistics
+@contextlib.contextmanager
+def _step_events(llm):
+    """Record, for every executor call while active: [sequences, decode-only, CUDA event before the
+    call (the GPU is idle then: the last step ended with the sampler's read), event after it returns
+    (forward queued), host seconds of the call, event after the sampler's launch (its kernels queued)]."""
     import time
-
-    from kvpilot.bench_offline import run_throughput
 
     core = llm._core
     ex, sampler = core.executor, core.sampler
@@ -204,45 +203,66 @@ def anatomy(llm, log, prompts, output_len: int, name: str) -> None:
     ex.execute = execute
     if orig_launch is not None:
         sampler.launch = launch
-    log.rows.clear()
-    log.on = True
     try:
-        run_throughput(llm, prompts, output_len)
+        yield recs
     finally:
-        log.on = False
         ex.execute = orig_exec
         if orig_launch is not None:
             sampler.launch = orig_launch
-    torch.cuda.synchronize()
-    batch = len(prompts)
-    rows = [r for r in log.rows if r[1]]
+        torch.cuda.synchronize()
+
+
+def _split(log, recs, batch: int) -> Optional[dict]:
+    """Medians (ms) over the decode-only steps of exactly ``batch`` sequences: step wall, executor
+    host time, GPU time of the forward (from before the call), sampler kernels, and the rest of the
+    wall (host work while the GPU idles)."""
+    import statistics
+
+    rows = [r for r in log.rows if r[1]]  # one executor call per step with scheduled tokens
     pairs = [(w, r) for w, r in zip(rows, recs) if r[0] == batch and r[1] and w[2] == 0]
     if not pairs:
+        return None
+    med = statistics.median
+    out = {"steps": len(pairs), "wall": med(w[0] for w, _ in pairs) * 1e3, "host": med(r[4] for _, r in pairs) * 1e3,
+           "gpu": med(r[2].elapsed_time(r[3]) for _, r in pairs)}
+    smp = [r[3].elapsed_time(r[5]) for _, r in pairs if r[5] is not None]
+    out["sampler"] = med(smp) if smp else 0.0
+    out["idle"] = out["wall"] - out["gpu"] - out["sampler"]
+    return out
+
+
+def anatomy(llm, log, prompts, output_len: int, name: str) -> None:
+    """Where a decode-only engine step's wall time goes, without a profiler (`_step_events`)."""
+    from kvpilot.bench_offline import run_throughput
+
+    log.rows.clear()
+    log.on = True
+    with _step_events(llm) as recs:
+        run_throughput(llm, prompts, output_len)
+    log.on = False
+    a = _split(log, recs, len(prompts))
+    if a is None:
         print(f"anatomy [{name}]: no full-batch decode steps")
         return
-    med = statistics.median
-    wall = med(w[0] for w, _ in pairs) * 1e3
-    host = med(r[4] for _, r in pairs) * 1e3
-    gpu = med(r[2].elapsed_time(r[3]) for _, r in pairs)
-    smp = med(r[3].elapsed_time(r[5]) for _, r in pairs if r[5] is not None) if orig_launch else float("nan")
-    print(f"anatomy [{name}], {len(pairs)} decode steps at batch {batch}: step wall {wall:.3f} ms; executor call "
-          f"(prepare + copy + graph launch) {host:.3f} ms of host time; GPU from before the call to the end of the "
-          f"forward {gpu:.3f} ms; sampler kernels {smp:.3f} ms; the rest of the wall (host work while the GPU "
-          f"idles) {wall - gpu - smp:.3f} ms", flush=True)
+    print(f"anatomy [{name}], {a['steps']} decode steps at batch {len(prompts)}: step wall {a['wall']:.3f} ms; "
+          f"executor call (prepare + copy + graph launch) {a['host']:.3f} ms of host time; GPU from before the "
+          f"call to the end of the forward {a['gpu']:.3f} ms; sampler kernels {a['sampler']:.3f} ms; the rest "
+          f"of the wall (host work while the GPU idles) {a['idle']:.3f} ms", flush=True)
 
 
 def sampler_cost(llm, log, prompts_, batch: int) -> None:
     """Decode-only step time at ``batch`` sequences (1,024-token prompts, 256 generated tokens each,
     so contexts 1,024-1,280) under greedy and under filtered sampling: the difference is what the
-    sampler adds to a step in the engine (its host work overlaps the forward pass; its kernels do not)."""
+    sampler adds to a step in the engine (its host work overlaps the forward pass; its kernels do
+    not). Medians of the full-batch decode steps, split as in `anatomy`."""
     from kvpilot import SamplingParams
 
     cases = [("greedy", dict(temperature=0.0)), ("temperature 1.0", dict(temperature=1.0)),
              ("top_k 50", dict(temperature=1.0, top_k=50)), ("top_p 0.9", dict(temperature=1.0, top_p=0.9)),
              ("top_k 50 + top_p 0.9 + min_p 0.05", dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05))]
-    print(f"\nsampler cost in the engine: {batch} x (1024 in + 256 out), decode-only steps")
-    print("| sampling | decode-only steps | mean ms | batch | vs greedy ms | % of greedy step |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"\nsampler cost in the engine: {batch} x (1024 in + 256 out), decode-only steps (medians)")
+    print("| sampling | steps | step ms | vs greedy | forward GPU ms | sampler kernels ms | host while GPU idles ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
     for name, kw in cases:
         params = SamplingParams(max_tokens=256, ignore_eos=True, detokenize=False, seed=1, **kw)
@@ -254,16 +274,17 @@ def sampler_cost(llm, log, prompts_, batch: int) -> None:
         prompts = prompts_(batch, 1024)
         log.rows.clear()
         log.on = True
-        futs = [llm.generate_async(p, params) for p in prompts]
-        for f in futs:
-            f.result()
+        with _step_events(llm) as recs:
+            for f in [llm.generate_async(p, params) for p in prompts]:
+                f.result()
         log.on = False
-        # Full-batch decode steps only (the tail, as requests finish, is excluded).
-        rows = [r for r in log.rows if r[2] == 0 and r[3] >= batch]
-        ms = 1e3 * sum(r[0] for r in rows) / max(len(rows), 1)
-        base = ms if base is None else base
-        print(f"| {name} | {len(rows)} | {ms:.2f} | {batch} | {ms - base:+.2f} | {100 * (ms - base) / base:+.1f}% |",
-              flush=True)
+        a = _split(log, recs, batch)
+        if a is None:
+            print(f"| {name} | 0 | | | | | |")
+            continue
+        base = a["wall"] if base is None else base
+        print(f"| {name} | {a['steps']} | {a['wall']:.2f} | {100 * (a['wall'] - base) / base:+.1f}% | {a['gpu']:.2f} | "
+              f"{a['sampler']:.3f} | {a['idle']:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

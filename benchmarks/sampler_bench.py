@@ -10,6 +10,11 @@ anyway). Every scenario runs on two logits distributions:
   128k vocabulary, the hardest case for the sort-free path (its boundary lies in the dense middle).
 - ``peaked``: ``4 * randn`` (std 4): a few tokens hold most of the mass, like a language model's
   next-token distribution.
+- ``llama``:  ``1.3 * randn``: the logits of the random-weight Llama-3.1-8B of the engine benchmarks
+  (``--dists flat,peaked,llama`` adds it).
+
+``--variants "collect_block=1024;stats_block=128"`` times each scenario again (checked too) under each
+``;``-separated set of ``kvpilot.kernels.sampling.CONFIG`` overrides (A/B of kernel parameters).
 
 Before timing, each scenario is checked: the fast path must choose exactly the tokens of
 ``Sampler("exact")`` (stable full sort, the reference semantics) for the same inputs at three
@@ -238,6 +243,8 @@ def main() -> None:
     ap.add_argument("--kinds", default=KINDS)
     ap.add_argument("--dists", default="flat,peaked")
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per scenario")
+    ap.add_argument("--variants", default="", help="';'-separated CONFIG overrides of the Triton sampler "
+                    "to time too, e.g. 'collect_block=1024;collect_block=256,stats_block=128'")
     ap.add_argument("--backend", default=None, help="Sampler backend to time (default: triton on CUDA, "
                     "the engine's default there; auto on CPU)")
     args = ap.parse_args()
@@ -245,7 +252,12 @@ def main() -> None:
     cuda = dev.type == "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     base = torch.randn(args.batch, args.vocab, device=dev, generator=gen)
-    dists = {"flat": base, "peaked": base * 4}
+    dists = {"flat": base, "peaked": base * 4, "llama": base * 1.3}
+    from kvpilot.kernels import sampling as ksampling
+
+    default_cfg = dict(ksampling.CONFIG)
+    variants = [("", {})] + [(v, {kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")})
+                             for v in args.variants.split(";") if v]
     fast = Sampler(args.backend or ("triton" if cuda else "auto"))
     refs = [Sampler("exact")] + ([Sampler("torch")] if cuda else [])
     has_launch = hasattr(fast, "launch")
@@ -258,7 +270,9 @@ def main() -> None:
     mismatches = 0
     for kind in args.kinds.split(","):
         rows = _rows(args.batch, kind, args.vocab)
-        for dist in args.dists.split(","):
+        for dist, (vname, override) in itertools.product(args.dists.split(","), variants):
+            ksampling.CONFIG.clear()
+            ksampling.CONFIG.update(default_cfg, **override)
             logits = dists[dist]
             bad, handed = _check(logits, rows, fast, refs)
             if kind == "penalties":
@@ -272,7 +286,8 @@ def main() -> None:
                 fast(logits, rows)
 
             ms = _time(call, dev, args.iters)
-            line = f"{kind:20s} {dist:7s} {ms:8.3f} {ms / args.batch * 1e3:7.2f} {ms / STEP_MS * 100:6.1f}%"
+            label = f"{kind} [{vname}]" if vname else kind
+            line = f"{label:20s} {dist:7s} {ms:8.3f} {ms / args.batch * 1e3:7.2f} {ms / STEP_MS * 100:6.1f}%"
             note = ""
             if cuda and has_launch:
                 host, waited = _host_launch(fast, logits, rows, max(3, args.iters // 4), before)
@@ -290,6 +305,8 @@ def main() -> None:
                 print(prof.key_averages().table(sort_by=key, row_limit=15))
                 if cuda:
                     print(_kernel_summary(prof))
+    ksampling.CONFIG.clear()
+    ksampling.CONFIG.update(default_cfg)
     rows = _rows(args.batch, "mixed", args.vocab)
     ms = _time(lambda: sampler_mod._Draw(rows, args.vocab).tensors(dev), dev, args.iters)
     print(f"{'host_params_mixed':20s} {'':7s} {ms:8.3f} (reference: gathering the rows' parameters on the host)")

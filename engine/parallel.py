@@ -283,8 +283,9 @@ class MultiprocExecutor:
         """Send one step's plan to the workers; return the output rank's logits and rows.
 
         The logits are float32 ``[R, vocab]``: on the output rank's GPU (a copy out of the shared
-        buffer, made on the current stream after the step's event; no host synchronisation) on one
-        GPU node, else on the CPU.
+        buffer, made once the step's event is complete: the output rank answers right after
+        launching, and the wait for its GPU is a host-side poll that watches the workers, see
+        `_await_logits_event`) on one GPU node, else on the CPU.
 
         Raises:
             EngineDeadError: a worker failed, exited or timed out (now or earlier).
@@ -326,7 +327,8 @@ class MultiprocExecutor:
         if in_buffer:
             buf = self._logits_buf
             if mode == LOGITS_EVENT:
-                self._logits_event.wait(torch.cuda.current_stream(buf.device))
+                self._await_logits_event()
+                self._logits_event.wait(torch.cuda.current_stream(buf.device))  # done already: ordering only
             logits = buf[:shape[0]].clone()
             self._read_done.record(torch.cuda.current_stream(buf.device))
         else:
@@ -343,6 +345,36 @@ class MultiprocExecutor:
             timer.add("logits", t3 - t2)
             timer.add("execute", t3 - t0)
         return logits, rows
+
+    def _await_logits_event(self) -> None:
+        """Wait on the host until the output rank's step is done, watching the workers meanwhile.
+
+        The step's GPU work is never made to wait on the output rank's event device-side before the
+        event is known complete: if a peer rank died mid-step (its NCCL collective then never ends),
+        a stream waiting on that event would hang this process past every timeout, while a
+        synchronising answer would have been caught by `_wait_for`. Here the event is polled, and
+        the workers' process sentinels and pipes (error messages) are checked every ~0.2 ms, with
+        the step timeout as the bound; the GIL is released between polls.
+
+        Raises:
+            EngineDeadError: a worker exited or reported an error, or the step timed out.
+        """
+        event = self._logits_event
+        if event.query():
+            return
+        deadline = time.monotonic() + self._step_timeout
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        watched = [c for c in self._conns if c is not None] + list(sentinels)
+        check_at = time.perf_counter() + 2e-4
+        while not event.query():
+            now = time.perf_counter()
+            if now < check_at:
+                time.sleep(0)  # lets other threads (the server, output work) run
+                continue
+            check_at = now + 2e-4
+            self._fail_on(mp_wait(watched, timeout=0), sentinels, False, " while its step ran")
+            if time.monotonic() > deadline:
+                self._die(f"the output worker's step did not finish within {self._step_timeout:.0f} s")
 
     def step_timing(self, reset: bool = False) -> dict:
         """Per-phase step times: ``{"front_end": summary, "ranks": {rank: summary}}``.
@@ -376,7 +408,11 @@ class MultiprocExecutor:
             self._last_return = None
         data = pickle.dumps((MSG_TIMING, reset))
         for conn in self._plan_conns:
-            conn.send_bytes(data)
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
+                self._die("a worker closed its pipe")
         ranks = {}
         waiting = list(self._plan_conns)
         while waiting:
@@ -399,15 +435,21 @@ class MultiprocExecutor:
             for conn in ready:
                 if any(conn is w for w in wanted):
                     return conn, self._recv(conn, starting)  # an error message raises in _recv
-            for obj in ready:
-                if obj in sentinels:
-                    i = sentinels[obj]
-                    c = self._conns[i]
-                    if c is not None and c.poll(0.5):
-                        self._recv(c, starting)  # dies with the worker's own error text when it sent one
-                    self._worker_gone(i, starting)
-                msg = self._recv(obj, starting)
-                self._die(f"unexpected message {msg[0]!r} from a worker")
+            self._fail_on(ready, sentinels, starting)
+
+    def _fail_on(self, ready: list, sentinels: dict, starting: bool, when: str = "") -> None:
+        """Die for the first of ``ready`` (pipes and process sentinels that are not awaited): a worker
+        that exited (with its own error text when it sent one) or an unexpected message; returns
+        when ``ready`` is empty."""
+        for obj in ready:
+            if obj in sentinels:
+                i = sentinels[obj]
+                c = self._conns[i]
+                if c is not None and c.poll(0.5):
+                    self._recv(c, starting)  # dies with the worker's own error text when it sent one
+                self._worker_gone(i, starting)
+            msg = self._recv(obj, starting)  # an error message raises in _recv
+            self._die(f"unexpected message {msg[0]!r} from a worker{when}")
 
     def _recv(self, conn, starting: bool):
         rank = self._conns.index(conn)

@@ -397,8 +397,9 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     the front end sends pickled ``("step", encoded plan, logits mode)`` (`PlanEncoder`; `LOGITS_PIPE`,
     `LOGITS_SYNC` or `LOGITS_EVENT`), ``("timing", reset)`` or ``None`` (stop) as bytes; the output
     rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not ``in_buffer``,
-    by the float32 logits as raw bytes; every rank with a pipe answers ``("timing", rank, summary)``
-    (`StepTimer.summary`, empty unless ``KVPILOT_STEP_TIMING=1``).
+    by the float32 logits as raw bytes; every rank the front end sends plans to (all of them on one
+    node, rank 0 of a multi-node group) answers ``("timing", rank, summary)`` (`StepTimer.summary`,
+    empty unless ``KVPILOT_STEP_TIMING=1``).
     Any exception is sent as ``("error", rank, traceback_text)`` and ends the process with status 1.
     In a multi-node group only rank 0 talks to the front end; the other ranks get plans by broadcast
     and send logits to rank 0 (``conn`` is None on ranks of other nodes).
@@ -483,7 +484,10 @@ def _serve(worker: Worker, conn) -> None:
             summary = timer.summary() if timer is not None else {}
             if timer is not None and msg[1]:
                 timer.reset()
-            if conn is not None:
+            # Only ranks the front end sends plans to answer: in a multi-node group the leader pod's
+            # other ranks have pipes too, but the front end reads only rank 0's (an extra answer
+            # would be read as an unexpected message at the next step, killing the engine).
+            if conn is not None and (rank == 0 or not spec.multi_node):
                 conn.send((MSG_TIMING, rank, summary))
             continue
         _kind, encoded, logits_mode = msg

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+
 from dataclasses import dataclass
 
 from kvpilot import KvCacheConfig, SamplingParams
@@ -62,3 +67,28 @@ def run_tiny_workload(llm) -> tuple[list[list[int]], list[float]]:
     outs = llm.generate(TINY_PROMPTS, SamplingParams(temperature=0, max_tokens=TINY_STEPS, ignore_eos=True,
                                                      logprobs=0), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
+
+
+@contextlib.contextmanager
+def lws_worker_pod(tmp_path, model_dir, monkeypatch, tp: int = 1, pp: int = 2):
+    """A two-'pod' LeaderWorkerSet group on localhost: starts pod 1 (`run_lws_worker` in a
+    subprocess) and sets this process's environment as pod 0's, the leader's; the body builds the
+    leader's `LLM`. On a clean exit the worker pod must have exited 0; it is killed in any case."""
+    from kvpilot.server.launcher import free_port
+
+    env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "MASTER_PORT": str(free_port())}
+    worker = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvpilot.parallel import run_lws_worker; "
+         f"sys.exit(run_lws_worker({str(model_dir)!r}, tensor_parallel_size={tp}, "
+         f"pipeline_parallel_size={pp}, device='cpu'))"],
+        cwd=str(tmp_path), env={**os.environ, **env, "LWS_WORKER_INDEX": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for k, v in {**env, "LWS_WORKER_INDEX": "0"}.items():
+            monkeypatch.setenv(k, v)
+        yield worker
+        assert worker.wait(timeout=30) == 0, worker.stdout.read()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from parallel_helpers import run_tiny_workload
+from parallel_helpers import lws_worker_pod, run_tiny_workload
 
 from kvpilot import LLM, EngineDeadError, RequestError, SamplingParams
 from kvpilot.model_runner import ScheduledSeq
@@ -85,27 +85,12 @@ def test_missing_main_guard_is_named(tmp_path, stories_model_dir):
 
 def test_leader_worker_set_group_from_env(tmp_path, tiny_model_dir, tiny_single_reference, monkeypatch):
     """Two 'pods' on localhost: the leader (this process, stage 0) and worker 1 (stage 1)."""
-    from kvpilot.server.launcher import free_port
-
-    env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "MASTER_PORT": str(free_port())}
-    worker = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvpilot.parallel import run_lws_worker; "
-         f"sys.exit(run_lws_worker({str(tiny_model_dir)!r}, pipeline_parallel_size=2, device='cpu'))"],
-        cwd=str(tmp_path), env={**os.environ, **env, "LWS_WORKER_INDEX": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for k, v in {**env, "LWS_WORKER_INDEX": "0"}.items():
-            monkeypatch.setenv(k, v)
+    with lws_worker_pod(tmp_path, tiny_model_dir, monkeypatch, pp=2):
         with LLM(str(tiny_model_dir), skip_tokenizer_init=True, pipeline_parallel_size=2, device="cpu") as llm:
             assert llm._executor.spec.multi_node and llm._executor.spec.ranks_per_node == 1
             toks, lps = run_tiny_workload(llm)
         assert toks == tiny_single_reference[0]
         assert lps == pytest.approx(tiny_single_reference[1], abs=1e-4)
-        assert worker.wait(timeout=30) == 0, worker.stdout.read()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
 
 
 @pytest.fixture(scope="module")

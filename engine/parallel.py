@@ -293,9 +293,14 @@ class MultiprocExecutor:
         with self._lock:
             return self._execute(plan)
 
-    def _execute(self, plan) -> tuple[torch.Tensor, list[int]]:
+    def _check_usable(self) -> None:
         if self._dead is not None:
             raise self._dead
+        if self._closed:
+            raise _engine_dead_error()("tensor/pipeline-parallel engine stopped: it was shut down")
+
+    def _execute(self, plan) -> tuple[torch.Tensor, list[int]]:
+        self._check_usable()
         timer = self._timer
         if timer is not None:
             t0 = time.perf_counter()
@@ -400,8 +405,7 @@ class MultiprocExecutor:
             return self._step_timing(reset)
 
     def _step_timing(self, reset: bool) -> dict:
-        if self._dead is not None:
-            raise self._dead
+        self._check_usable()
         front = self._timer.summary() if self._timer is not None else {}
         if self._timer is not None and reset:
             self._timer.reset()

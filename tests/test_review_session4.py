@@ -248,3 +248,15 @@ def test_logits_event_wait_times_out():
     finally:
         os.close(sentinel_r)
         os.close(sentinel_w)
+
+
+def test_executor_after_shutdown_raises_engine_dead(tiny_model_dir):
+    """A shut-down executor refuses steps and timing requests with EngineDeadError (not OSError from
+    its closed pipes)."""
+    llm = LLM(str(tiny_model_dir), skip_tokenizer_init=True, pipeline_parallel_size=2, device="cpu")
+    ex = llm._executor
+    llm.shutdown()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        ex.step_timing()
+    with pytest.raises(EngineDeadError, match="shut down"):
+        ex.execute([])

@@ -61,6 +61,9 @@ def main() -> None:
     ap.add_argument("--sampler-batch", type=int, default=256, help="0 skips the sampler-cost section")
     ap.add_argument("--variants", default="1", help="0 skips the A/B variants")
     ap.add_argument("--out", default=None, help="folder for the profiles' chrome traces")
+    ap.add_argument("--offline-decode-batch", type=int, default=0,
+                    help="profile decode-only steps of the offline regime at this batch (0 skips)")
+    ap.add_argument("--no-anatomy", action="store_true", help="skip the batch-1 / batch-256 step split")
     args = ap.parse_args()
 
     from kvpilot.bench_offline import random_prompts, run_throughput
@@ -98,8 +101,11 @@ def main() -> None:
               f"({m.get('mean_tokens', 0):.0f}, {m.get('mean_generation_requests', 0):.0f}) |", flush=True)
     _variants(attention)[0][1]()
 
-    anatomy(llm, log, prompts_(1, 128), 256, "batch 1")
-    anatomy(llm, log, prompts_(256, 128), 128, "batch 256")
+    if args.offline_decode_batch:
+        offline_decode(llm, log, prompts_, args.offline_decode_batch, args.out)
+    if not args.no_anatomy:
+        anatomy(llm, log, prompts_(1, 128), 256, "batch 1")
+        anatomy(llm, log, prompts_(256, 128), 128, "batch 256")
     if args.profile_prompts:
         profile(llm, log, prompts_(args.profile_prompts), 1000, 2, "prefill", args.out)
         profile(llm, log, prompts_(256, 128), 128, 64, "decode", args.out)
@@ -248,6 +254,64 @@ def anatomy(llm, log, prompts, output_len: int, name: str) -> None:
           f"executor call (prepare + copy + graph launch) {a['host']:.3f} ms of host time; GPU from before the "
           f"call to the end of the forward {a['gpu']:.3f} ms; sampler kernels {a['sampler']:.3f} ms; the rest "
           f"of the wall (host work while the GPU idles) {a['idle']:.3f} ms", flush=True)
+
+
+def offline_decode(llm, log, prompts_, batch: int, out, output_len: int = 384) -> None:
+    """The decode-only steps of the offline run's regime (``batch`` sequences, 1,000-token prompts,
+    contexts 1,000-1,384): the step split of `anatomy`, then a profiler window of ~40 steps once every
+    prompt is in, with the kernels' GPU time per step grouped by kernel name."""
+    import time
+
+    from kvpilot import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=False)
+    prompts = prompts_(batch, 1000)
+    log.rows.clear()
+    log.on = True
+    with _step_events(llm) as recs:
+        futs = [llm.generate_async(p, params) for p in prompts]
+        # Wait until the prefill is over and 20 full-batch decode steps ran, then profile 40 steps.
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 120:
+            with log.lock:
+                full = [r for r in log.rows if r[2] == 0 and r[3] == batch]
+            if len(full) >= 20:
+                break
+            time.sleep(0.01)
+        with log.lock:
+            n0 = len(log.rows)
+        acts = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            while True:
+                with log.lock:
+                    if len(log.rows) - n0 >= 40:
+                        break
+                time.sleep(0.002)
+            torch.cuda.synchronize()
+        with log.lock:
+            window = log.rows[n0:]
+        for f in futs:
+            f.result()
+    log.on = False
+    a = _split(log, recs, batch)
+    if a is not None:
+        print(f"offline-regime decode [{batch} x (1000 + {output_len})], {a['steps']} full-batch steps: wall "
+              f"{a['wall']:.2f} ms; forward GPU {a['gpu']:.2f} ms; sampler kernels {a['sampler']:.3f} ms; host "
+              f"while the GPU idles {a['idle']:.3f} ms; executor host call {a['host']:.3f} ms", flush=True)
+    nsteps = max(1, len(window))
+    events = prof.key_averages()
+    total_us = sum(e.self_device_time_total for e in events)
+    print(f"profiler window: {len(window)} steps, mean wall {1e3 * sum(r[0] for r in window) / nsteps:.2f} ms, "
+          f"kernel time {total_us / 1e3 / nsteps:.2f} ms per step")
+    print("| kernel | calls/step | ms/step | % of kernel time |")
+    print("|---|---:|---:|---:|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:16]:
+        if e.self_device_time_total <= 0:
+            continue
+        print(f"| {e.key[:90]} | {e.count / nsteps:.1f} | {e.self_device_time_total / 1e3 / nsteps:.3f} | "
+              f"{100 * e.self_device_time_total / total_us:.1f}% |", flush=True)
+    if out:
+        prof.export_chrome_trace(str(Path(out) / "trace_offline_decode.json"))
 
 
 def sampler_cost(llm, log, prompts_, batch: int) -> None:

@@ -14,7 +14,14 @@ anyway). Every scenario runs on two logits distributions:
   (``--dists flat,peaked,llama`` adds it).
 
 ``--variants "collect_block=1024;stats_block=128"`` times each scenario again (checked too) under each
-``;``-separated set of ``kvpilot.kernels.sampling.CONFIG`` overrides (A/B of kernel parameters).
+``;``-separated set of ``kvpilot.kernels.sampling.CONFIG`` overrides (A/B of kernel parameters), e.g.
+``"pivot_rounds=0"`` (top-p rows through the window path, as before the pivot path existed),
+``"pivot_fuse=1"``, ``"pivot_levels=4"``, ``"pivot_block=512"``.
+
+Scenarios whose rows take the pivot path (top-p and/or min-p without top-k: ``top_p``,
+``top_p_low`` (top_p 0.3), ``top_p_min_p``, ``min_p``, ``mixed``, ``logprobs``) also print how many
+of those rows the kernels settle with candidate generations 0, 1, 2, ... (``pivot gens``: the
+Triton draw run again with ``pivot_rounds`` = 1, 2, ...; ``exact`` = rows left to the exact path).
 
 Before timing, each scenario is checked: the fast path must choose exactly the tokens of
 ``Sampler("exact")`` (stable full sort, the reference semantics) for the same inputs at three
@@ -75,6 +82,7 @@ Sampler, SamplingRow = sampler_mod.Sampler, sampler_mod.SamplingRow
 
 STEP_MS = 10.83  # batch-256 decode step of Llama-3.1-8B on one H200 (docs/gpu_benchmarks.md)
 KINDS = "greedy,temperature,top_k,top_p,top_k_top_p_min_p,mixed,penalties,logprobs"
+EXTRA_KINDS = "top_p_low,top_p_min_p,min_p"  # not run by default
 
 
 def _rows(batch: int, kind: str, vocab: int) -> list[SamplingRow]:
@@ -92,6 +100,12 @@ def _rows(batch: int, kind: str, vocab: int) -> list[SamplingRow]:
             r.temperature, r.top_p = 0.8, 0.9
         elif kind == "top_k_top_p_min_p":
             r.temperature, r.top_k, r.top_p, r.min_p = 0.8, 100, 0.9, 0.05
+        elif kind == "top_p_low":
+            r.temperature, r.top_p = 0.8, 0.3
+        elif kind == "top_p_min_p":
+            r.temperature, r.top_p, r.min_p = 0.8, 0.9, 0.05
+        elif kind == "min_p":
+            r.temperature, r.min_p = 0.8, 0.05
         elif kind == "mixed":  # a realistic mix of requests in one batch
             r.temperature = [0.0, 0.7, 1.0, 0.8][i % 4]
             r.top_p = [1.0, 0.9, 0.95, 1.0][i % 4]
@@ -105,7 +119,7 @@ def _rows(batch: int, kind: str, vocab: int) -> list[SamplingRow]:
         elif kind == "logprobs":
             r.temperature, r.top_p, r.logprobs = 0.8, 0.9, 5
         else:
-            raise SystemExit(f"unknown scenario {kind!r}; choose from {KINDS}")
+            raise SystemExit(f"unknown scenario {kind!r}; choose from {KINDS},{EXTRA_KINDS}")
         out.append(r)
     return out
 
@@ -227,11 +241,47 @@ def _kernel_summary(prof) -> str:
     return "  kernels us/call: " + ", ".join(p for _, p in parts) + f"; total {total:.0f}"
 
 
+def _pivot_generations(logits: torch.Tensor, rows: list[SamplingRow]) -> str:
+    """'' when no row takes the pivot path, else how many of its rows the Triton draw settles with
+    each number of candidate generations (draw run again with pivot_rounds = 1, 2, ...), and how
+    many it leaves to the exact path at the configured cap."""
+    from kvpilot.kernels import sampling as ksampling
+
+    d = sampler_mod._Draw(rows, logits.shape[1])
+    if not d.n_pivot or ksampling.CONFIG["pivot_rounds"] <= 0:
+        return ""
+    fprm, iprm, order = d.tensors(logits.device)
+    n = len(d.plain) + len(d.greedy)
+    piv = d.order[len(d.order) - d.n_pivot:]
+    saved, cap = dict(ksampling.CONFIG), ksampling.CONFIG["pivot_rounds"]
+    counts, prev = [], 0
+    try:
+        for g in range(1, cap + 1):
+            ksampling.CONFIG["pivot_rounds"] = g
+            out = ksampling.draw(logits, fprm, iprm, order[:n], order[n:], n_pivot=d.n_pivot).cpu()
+            settled = int((out[torch.from_numpy(piv)] >= 0).sum())
+            counts.append(settled - prev)
+            prev = settled
+    finally:
+        ksampling.CONFIG.clear()
+        ksampling.CONFIG.update(saved)
+    return (f"  pivot gens ({d.n_pivot} rows): " + ", ".join(f"{g}: {c}" for g, c in enumerate(counts))
+            + f", exact: {d.n_pivot - prev}")
+
+
 def _decode_one(rows: list[SamplingRow], vocab: int) -> None:
     """Append one token to every row's output (as one decoding step does)."""
     n = next(_STEPS)
     for i, r in enumerate(rows):
         r.output_token_ids.append((n * 7919 + i * 104729) % vocab)
+
+
+def _number(text: str):
+    """A --variants value: int when it reads as one, else float."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 def main() -> None:
@@ -256,7 +306,7 @@ def main() -> None:
     from kvpilot.kernels import sampling as ksampling
 
     default_cfg = dict(ksampling.CONFIG)
-    variants = [("", {})] + [(v, {kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",")})
+    variants = [("", {})] + [(v, {kv.split("=")[0]: _number(kv.split("=")[1]) for kv in v.split(",")})
                              for v in args.variants.split(";") if v]
     fast = Sampler(args.backend or ("triton" if cuda else "auto"))
     refs = [Sampler("exact")] + ([Sampler("torch")] if cuda else [])
@@ -295,6 +345,10 @@ def main() -> None:
                 line += f" {host:8.3f} {syncs:5d}"
                 note = " (launch waited for the GPU)" if waited else ""
             print(f"{line} {handed:10.1f}  {'ok' if not bad else f'MISMATCH ({bad} rows)'}{note}", flush=True)
+            if kind != "penalties" and (fast.backend == "triton" or cuda):
+                gens = _pivot_generations(logits, rows)
+                if gens:
+                    print(gens, flush=True)
             if args.profile:
                 acts = [torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if cuda else [])

@@ -24,6 +24,15 @@ as vLLM and TensorRT-LLM do:
 ``lm_head_in_graph`` (default True, ``KVPILOT_LM_HEAD_IN_GRAPH=0`` to change) puts the final
 projection inside the graph; measured on an H200 in docs/gpu_benchmarks.md.
 
+Pipeline stages (`DecodeGraphs` of a `parallel_worker.StageRunner` whose model is one stage): a
+stage's graph covers only its layers. A stage after the first reads the previous stage's
+``(hidden, residual)`` from a static buffer (`DecodeGraphs.stage_input`), a stage before the last ends
+at its own ``(hidden, residual)`` in a static buffer (`DecodeGraphs.stage_output`); both are
+contiguous ``[2, b, hidden]`` views for padded batch ``b``, so the worker receives into and sends from
+them directly. The last stage ends at the logits as above. The point-to-point sends and receives stay
+outside the graphs (`parallel_worker.Worker.execute` issues them); tensor-parallel all-reduces of the
+stage's layers are inside, as in the whole-model tensor-parallel graphs.
+
 `PrefillGraphs` covers steps with at least one prefill chunk (alone or mixed with decodes) of up to
 256 tokens by default (``KVPILOT_PREFILL_GRAPH_TOKENS``; at most ``max_num_tokens``), padded to a
 token bucket (`default_token_buckets`, which says why 256); larger steps are GPU-bound for an 8B
@@ -117,9 +126,17 @@ class DecodeGraphs(_GraphSet):
     """Captured decode graphs of one `ModelRunner` (CUDA only).
 
     Args:
-        runner: a single-process runner holding the whole model (not a pipeline stage).
+        runner: a runner holding the whole model, or one pipeline stage of it (stage mode: see the
+            module docstring; `load`, `replay`, `stage_input`, `stage_output` and `logits` are the
+            worker's steps, `run` the whole-model one).
         batch_sizes: padded sizes to capture (default `default_batch_sizes(runner.max_batch_size)`).
-        lm_head_in_graph: replay the LM head inside the graph (else it runs eagerly after it).
+        lm_head_in_graph: replay the LM head inside the graph (else it runs eagerly after it; last
+            stage or whole model only).
+
+    Attributes: ``is_first``/``is_last`` (the runner's model embeds / computes logits), ``out``: the
+    static output (``[max_bs, vocab]`` float32 logits, ``[max_bs, hidden]`` without the LM head in the
+    graph, or, before the last stage, ``[2 * max_bs * hidden]`` in the model's dtype, read through
+    `stage_output`).
     """
 
     def __init__(self, runner: "ModelRunner", batch_sizes: list[int] | None = None,
@@ -155,9 +172,16 @@ class DecodeGraphs(_GraphSet):
         self.seq_lens = self._dev32[:mb]
         self.qsl = self._dev32[self._o_qsl:self._o_qsl + mb + 1]
         self.tables = self._dev32[self._o_tab:].view(self.max_bs, self.width)
-        out_dim = cfg.vocab_size if lm_head_in_graph else cfg.hidden_size
-        out_dtype = torch.float32 if lm_head_in_graph else runner.dtype
-        self.out = torch.zeros(self.max_bs, out_dim, dtype=out_dtype, device=dev)
+        self.is_first, self.is_last = runner.model.is_first, runner.model.is_last
+        H = cfg.hidden_size
+        # Pipeline stages: flat buffers so that batch b's [2, b, H] view is contiguous (send/recv).
+        self._acts_in = None if self.is_first else torch.zeros(2 * self.max_bs * H, dtype=runner.dtype, device=dev)
+        if self.is_last:
+            out_dim = cfg.vocab_size if lm_head_in_graph else cfg.hidden_size
+            out_dtype = torch.float32 if lm_head_in_graph else runner.dtype
+            self.out = torch.zeros(self.max_bs, out_dim, dtype=out_dtype, device=dev)
+        else:
+            self.out = torch.zeros(2 * self.max_bs * H, dtype=runner.dtype, device=dev)
         self.graphs: dict[tuple[int, int], object] = {}  # (batch, context bound) -> graph with replay()
         self.buckets: dict[int, list[int]] = {}
 
@@ -173,17 +197,57 @@ class DecodeGraphs(_GraphSet):
         for b in self.batch_sizes:
             self.buckets[b] = self._context_buckets(b)
 
+    def stage_input(self, b: int) -> torch.Tensor:
+        """The static buffer a stage after the first reads: ``[2, b, hidden]`` (hidden, residual) in the
+        model's dtype, contiguous; the previous stage's activations for padded batch ``b`` go here.
+
+        Raises:
+            ValueError: the first stage (it reads token ids).
+        """
+        if self._acts_in is None:
+            raise ValueError("the first pipeline stage has no activation input")
+        return self._acts_in[:2 * b * self.runner.cfg.hidden_size].view(2, b, -1)
+
+    def stage_output(self, b: int) -> torch.Tensor:
+        """The static buffer a stage before the last writes: ``[2, b, hidden]`` (hidden, residual) in
+        the model's dtype, contiguous, valid until the next replay; padded rows hold garbage.
+
+        Raises:
+            ValueError: the last stage (it ends at the logits).
+        """
+        if self.is_last:
+            raise ValueError("the last pipeline stage ends at the logits, not at activations")
+        return self.out[:2 * b * self.runner.cfg.hidden_size].view(2, b, -1)
+
     def _body(self, b: int, ctx: int) -> None:
         """The captured work: forward over the static inputs, output into the static buffer."""
         r = self.runner
         meta = AttentionMetadata(slot_mapping=self.slots[:b], block_tables=self.tables[:b],
                                  seq_lens=self.seq_lens[:b], query_start_loc=self.qsl[:b + 1],
                                  max_query_len=1, max_seq_len=ctx)
+        if not (self.is_first and self.is_last):
+            self._stage_body(b, meta)
+            return
         hidden = r.model(self.ids[:b], self.pos[:b], meta, r.kv_caches)
         if self.lm_head_in_graph:
             self.out[:b].copy_(r.model.compute_logits(hidden))
         else:
             self.out[:b].copy_(hidden)
+
+    def _stage_body(self, b: int, meta: AttentionMetadata) -> None:
+        r = self.runner
+        hidden = residual = None
+        if not self.is_first:
+            hidden, residual = self.stage_input(b).unbind(0)
+        out = r.model(self.ids[:b], self.pos[:b], meta, r.kv_caches, hidden, residual)
+        if not self.is_last:
+            dst = self.stage_output(b)
+            dst[0].copy_(out[0])
+            dst[1].copy_(out[1])
+        elif self.lm_head_in_graph:
+            self.out[:b].copy_(r.model.compute_logits(out))
+        else:
+            self.out[:b].copy_(out)
 
     @torch.inference_mode()
     def capture(self, pool=None, stream=None) -> None:
@@ -262,24 +326,48 @@ class DecodeGraphs(_GraphSet):
             qsl[n + 1:b + 1] = n
         return b, ctx
 
-    def run(self, seqs: list["ScheduledSeq"]) -> torch.Tensor:
-        """Replay the graph for these decodes. Returns logits [n, vocab] float32 (a view of a static
-        buffer, valid until the next replay).
+    def load(self, seqs: list["ScheduledSeq"]) -> tuple[int, int]:
+        """`prepare`, then queue the copy of the inputs into the static device buffers. Returns the
+        graph to replay: (padded batch size, context bucket).
 
         Raises:
             ValueError: a sequence is longer than ``max_seq_len`` (no graph covers it).
         """
-        n = len(seqs)
         b, ctx = self.prepare(seqs)
         # One copy per section; the block tables only for the rows in use.
         self._dev64.copy_(self._host64, non_blocking=True)
         end32 = self._o_tab + b * self.width
         self._dev32[:end32].copy_(self._host32[:end32], non_blocking=True)
         self._copied.record()
-        self.graphs[(b, ctx)].replay()
+        return b, ctx
+
+    def replay(self, key: tuple[int, int]) -> None:
+        """Replay the graph ``key`` (from `load`) on the current stream."""
+        self.graphs[key].replay()
+
+    def logits(self, n: int) -> torch.Tensor:
+        """Logits [n, vocab] float32 of the last replay's first ``n`` rows (last stage or whole model):
+        a view of the static buffer, valid until the next replay, unless the LM head runs outside
+        the graph (then it runs here, a new tensor)."""
         if self.lm_head_in_graph:
             return self.out[:n]
         return self.runner.model.compute_logits(self.out[:n])
+
+    def run(self, seqs: list["ScheduledSeq"], fix_inputs=None) -> torch.Tensor:
+        """Replay the graph for these decodes (whole model). Returns logits [n, vocab] float32 (a view
+        of a static buffer, valid until the next replay). ``fix_inputs(ids)``, if given, runs after
+        the inputs' copy is queued and before the replay, with the static input ids (int64 [max_bs]
+        on the device) to overwrite on the device (async scheduling's in-flight ids).
+
+        Raises:
+            ValueError: a sequence is longer than ``max_seq_len`` (no graph covers it).
+        """
+        n = len(seqs)
+        key = self.load(seqs)
+        if fix_inputs is not None:
+            fix_inputs(self.ids)
+        self.replay(key)
+        return self.logits(n)
 
 
 DEFAULT_PREFILL_GRAPH_TOKENS = 256
@@ -441,14 +529,17 @@ class PrefillGraphs(_GraphSet):
         h["rows"][:len(rows)] = rows
         return T, real, rows
 
-    def run(self, seqs: list["ScheduledSeq"]) -> tuple[torch.Tensor, list[int]]:
+    def run(self, seqs: list["ScheduledSeq"], fix_inputs=None) -> tuple[torch.Tensor, list[int]]:
         """Replay the bucket for this step; returns (logits [R, vocab] float32, their flat-batch rows),
-        as `ModelRunner.execute`. Call only when `can_run` said yes."""
+        as `ModelRunner.execute`. Call only when `can_run` said yes. ``fix_inputs``: as in
+        `DecodeGraphs.run` (here the ids are int64 [max_tokens], in flat token order)."""
         T, _, rows = self.prepare(seqs)
         n = len(seqs)
         end = self._offsets["tables"] + n * self.width * 4  # block tables of the rows in use only
         self._dev[:end].copy_(self._host[:end], non_blocking=True)
         self._copied.record()
+        if fix_inputs is not None:
+            fix_inputs(self.ids)
         self.graphs[T].replay()
         model = self.runner.model
         if not rows:

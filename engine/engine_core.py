@@ -21,6 +21,48 @@ in step N: its step-N token is dropped (never appended, counted or sent). The sl
 finished in the fast part (a final result never waits for another step), before an abort of its
 request and before `fail_all`. With ``KVPILOT_ASYNC_OUTPUT=0`` both parts always run in the step
 that sampled the token (the synchronous engine, for A/B runs).
+
+Async scheduling (vLLM v1's; ``KVPILOT_ASYNC_SCHEDULING``, default on with a CUDA `ModelRunner`, off
+on CPU). Above, the device idles from the sampler's read of step N until step N+1's inputs are
+copied (the fast part, the next schedule, the plan, the runner's input preparation: 2-3 ms at a few
+hundred sequences). With async scheduling step N's sampled ids stay on the device (`_InFlight`) and
+each call of `step` runs:
+
+1. schedule step N+1 while step N's tokens are unread: each sequence sampled in step N counts one
+   more token (``Sequence.inflight_row``) and is left out when that token is its last by length;
+2. plan it, in-flight rows with a placeholder id and their row of step N's sampled-id tensor, and
+   launch it: the runner copies those ids into its device input buffer after the inputs' copy and
+   before the forward pass or graph replay (`ModelRunner.set_inflight_tokens`), so the device runs
+   step N+1 right after step N's sampler;
+3. read step N's tokens (`_resolve_inflight`) and run their fast part;
+4. the per-row work of step N+1 (computed counts, prefix-cache blocks, sampling rows: every token
+   it covers is known by now, so no placeholder is ever hashed or counted), launch its sampler,
+   and run step N's slow part while the device computes; step N+1 stays in flight.
+
+The sampler of step N+1 is launched after step N's tokens are read, so penalties, bad words,
+``min_tokens`` and seeds see the whole history as in the synchronous engine, and beam requests
+(chosen on the host in the per-row work) are never in flight: none of them needs a fallback. What
+step N's tokens end (EOS, stop ids; stop strings in the slow part) was also computed in step N+1:
+that token is dropped, exactly as the async output processor drops it. Their blocks are freed while
+step N+1 may still write them; that is safe because the device runs one stream, so whatever reuses
+a block runs after step N+1. A row whose device token was -1 (the sampler's exact path redraws it on
+the host in ``finish``) fed a wrong input to step N+1: that row's result is dropped and the sequence
+is rolled back one token (``num_computed_tokens`` not advanced), so step N+2 computes the position
+again over the same KV slot. Before step N+1 is launched, ``handle.detach()`` queues the copies of
+step N's results to pinned host memory with an event, so the read waits for step N only (not for
+the step N+1 queued behind it), and copies the logits rows a redraw may read (a decode graph's
+logits are a static buffer step N+1 overwrites); generation logits are copied to the host likewise.
+No upload from pageable memory may run while a step is in flight: it would wait for the stream.
+
+The step falls back to the synchronous order (read step N first, then schedule): where the schedule
+would preempt (``Scheduler.schedule(preempt=False)`` says so; the read may free blocks), when the
+feature is switched off, with an executor without ``supports_async_scheduling`` (the tensor/pipeline
+parallel `MultiprocExecutor`), and with a sampler without ``launch`` or whose call lacks ``tokens``
+or ``detach`` (`_overlap_ok`). An abort of a
+request in the in-flight step, `fail_all` and shutdown read that step first, so they see the
+synchronous engine's state. A sampler error in ``finish`` of an in-flight step fails the step
+(its logits may be overwritten, so rows cannot be sampled apart; row errors come from ``launch``,
+which still isolates them). Stats report each token in the step that read it.
 """
 
 from __future__ import annotations
@@ -31,6 +73,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 
 from .detokenizer import decode_new_text, find_stop, hold_back_len, init_offsets
@@ -39,6 +82,7 @@ from .model_runner import ScheduledSeq
 from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
 from .beam_search import BeamSearch
 from .sampler import Sampler, SamplerOutput, SamplingRow
+from .sampler_inputs import Upload
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stats import FinishedRequestStats, IterationStats, KvCacheStats
@@ -46,11 +90,36 @@ from .stats import FinishedRequestStats, IterationStats, KvCacheStats
 logger = logging.getLogger(__name__)
 
 _FINISHED = SequenceStatus.FINISHED
+_PLACEHOLDER = [0]  # the input id of an in-flight row until the device writes the real one
+_NO_SEQS: frozenset = frozenset()
 
 
 def async_output_enabled() -> bool:
     """``KVPILOT_ASYNC_OUTPUT`` (default 1): 0 runs each token's output work in the step that sampled it."""
     return os.environ.get("KVPILOT_ASYNC_OUTPUT", "1") not in ("0", "false", "False", "no")
+
+
+def async_scheduling_enabled(default: bool) -> bool:
+    """``KVPILOT_ASYNC_SCHEDULING``: 1 or 0 forces async scheduling on or off; unset (or empty) gives
+    ``default`` (the engine passes True on CUDA, False on CPU)."""
+    raw = os.environ.get("KVPILOT_ASYNC_SCHEDULING", "")
+    if raw == "":
+        return default
+    return raw not in ("0", "false", "False", "no")
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A step whose sampler call is launched but not read (async scheduling).
+
+    ``handle``: the sampler call (``tokens`` [S] int64 on the device, ``finish()``); ``seqs[i]`` owns
+    row i (its ``inflight_row`` is i until the step is read); ``gen``: host copies of the rows'
+    logits for ``return_generation_logits`` (None when no request asks).
+    """
+
+    handle: object
+    seqs: list[Sequence]
+    gen: Optional[list]
 
 
 @dataclass(slots=True)
@@ -79,13 +148,26 @@ class EngineCore:
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
         async_output: overlap each step's output work with the next step's forward pass (see the
             module docstring); None reads ``KVPILOT_ASYNC_OUTPUT``. May be changed between steps.
+        async_scheduling: plan step N+1 before reading step N's tokens (module docstring); None
+            reads ``KVPILOT_ASYNC_SCHEDULING`` (default: on when the executor's ``device`` is CUDA).
+            Takes effect only with an executor that has ``supports_async_scheduling``. May be
+            changed between steps.
+
+    ``num_overlapped_steps`` counts the steps launched while the previous step's tokens were still
+    on the device.
     """
 
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
-                 async_output: Optional[bool] = None) -> None:
+                 async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None) -> None:
         self.executor = executor
         self.async_output = async_output_enabled() if async_output is None else async_output
+        if async_scheduling is None:
+            dev = getattr(executor, "device", None)
+            async_scheduling = async_scheduling_enabled(default=dev is not None and torch.device(dev).type == "cuda")
+        self.async_scheduling = async_scheduling
+        self.num_overlapped_steps = 0
+        self._inflight: Optional[_InFlight] = None  # the step whose tokens are still on the device
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -104,6 +186,7 @@ class EngineCore:
         self._ttft: list[float] = []  # observations since the last stats
         self._itl: list[float] = []
         self._beam_requests: set[int] = set()  # ids of live use_beam_search requests
+        self._gen_logits_requests: set[int] = set()  # ids of live return_generation_logits requests
         self._cuda = torch.cuda.is_available()  # asked once: the query costs microseconds per step
 
     def flush_outputs(self) -> None:
@@ -113,19 +196,29 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        """Sequences to run, or output work of the last step still to do (the next step does it)."""
-        return self.scheduler.has_work or bool(self._pending)
+        """Sequences to run, output work of the last step still to do (the next step does it), or a
+        step whose tokens are still on the device."""
+        return self.scheduler.has_work or bool(self._pending) or self._inflight is not None
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        if req.params.use_beam_search:
+        p = req.params
+        if p.use_beam_search:
             self._beam_requests.add(req.request_id)
+        if p.return_generation_logits:
+            self._gen_logits_requests.add(req.request_id)
+        limit = min(req.num_prompt_tokens + p.max_tokens, self.max_seq_len)
         for seq in req.seqs:
             init_offsets(seq)
+            seq.length_limit = limit
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: int) -> None:
+        inflight = self._inflight
+        if inflight is not None and any(s.request.request_id == request_id for s in inflight.seqs):
+            # The synchronous engine would have read that step already: so does the abort.
+            self._resolve_inflight()
         # The request's last token first gets its output work, so that the abort sees (and returns)
         # exactly the state the synchronous engine would have; if that work finished the request,
         # the abort comes too late and does nothing.
@@ -154,9 +247,15 @@ class EngineCore:
     def fail_all(self, error: BaseException) -> None:
         """Fail every request in flight (after an engine error) and free their blocks.
 
-        The output work of the last step is done first (it needs no device), so that requests that
-        had already finished are delivered rather than failed.
+        The output work of the last step is done first (it needs no device; an in-flight step's
+        tokens are read first, if the device still answers), so that requests that had already
+        finished are delivered rather than failed.
         """
+        if self._inflight is not None:
+            try:
+                self._resolve_inflight()
+            except Exception:
+                logger.exception("dropping the in-flight step's tokens")
         pending = self._take_pending()
         if pending:
             try:
@@ -177,6 +276,7 @@ class EngineCore:
     def _finish_request(self, req: Request, deltas: list[SequenceDelta], error=None) -> None:
         self.requests.pop(req.request_id, None)
         self._beam_requests.discard(req.request_id)
+        self._gen_logits_requests.discard(req.request_id)
         now = time.monotonic()
         m = req.output.metrics
         reasons = {s.finish_reason for s in req.seqs}
@@ -196,13 +296,29 @@ class EngineCore:
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> Optional[IterationStats]:
         t0 = time.monotonic()
-        sched = self.scheduler.schedule()
+        num_generated = 0
+        settled = False  # in-flight tokens were read in this call (they may have freed blocks)
+        rollback = _NO_SEQS
+        prev = self._inflight
+        if prev is not None and not self._overlap_ok():  # switched off since it was launched
+            num_generated += self._resolve_inflight()[0]
+            prev, settled = None, True
+        sched = self.scheduler.schedule(preempt=prev is None)
+        if sched is None:
+            # A running sequence's next token does not fit: read the in-flight tokens first (they
+            # may finish sequences and free blocks) and preempt, if still needed, on settled state.
+            num_generated += self._resolve_inflight()[0]
+            prev, settled = None, True
+            sched = self.scheduler.schedule()
         if not sched:
+            if prev is not None:  # everything running waits for its in-flight (last) token
+                num_generated += self._resolve_inflight()[0]
+                settled = True
             if self._pending:
                 # Nothing to overlap with: finish the last step's outputs now. They may free blocks
                 # (stop strings), so the queue gets another schedule before it can be called stuck.
                 self._finish_outputs(self._take_pending())
-            elif self.scheduler.waiting and not self.scheduler.running:
+            elif not settled and self.scheduler.waiting and not self.scheduler.running:
                 # Nothing can ever run: the head of the queue does not fit an empty pool.
                 seq = self.scheduler.waiting[0]
                 req = seq.request
@@ -211,7 +327,7 @@ class EngineCore:
                     s.finish_reason = "abort"
                 self._finish_request(req, [], error=RequestError(
                     f"request {req.request_id} needs more KV-cache blocks than the pool has"))
-            return self._stats(t0, sched, 0, 0)
+            return self._stats(t0, sched, 0, num_generated)
         plan: list[ScheduledSeq] = []
         num_context = num_prompt_tokens = 0
         # Per-sequence work here and below runs for every sequence of every step (hundreds at large
@@ -231,11 +347,21 @@ class EngineCore:
                 m = seq.request.output.metrics
                 if m.first_scheduled_time is None:
                     m.first_scheduled_time = t0
+            elif seq.inflight_row >= 0:  # its input is last step's sampled token, still on the device
+                plan.append(ScheduledSeq(seq.seq_id, _PLACEHOLDER, start, seq.block_table, True, False,
+                                         seq.inflight_row))
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
+        if prev is not None:
+            self.executor.set_inflight_tokens(prev.handle.tokens)
         logits, _ = self.executor.execute(plan)
-        # A sampler with ``launch`` (see `_sample`) lets the output work also cover its own kernels.
+        if prev is not None:
+            # The device has this step queued behind the last one: read the last one's tokens now.
+            self.num_overlapped_steps += 1
+            n_read, rollback = self._resolve_inflight()
+            num_generated += n_read
+        # A sampler with ``launch`` (see `_launch`) lets the output work also cover its own kernels.
         split = getattr(self.sampler, "launch", None) is not None
         if self._pending and not split:
             # On a GPU the executor has only launched the step: the last step's output work runs
@@ -255,12 +381,19 @@ class EngineCore:
             elif p.sample:
                 row += 1
             if seq.status is _FINISHED:
-                continue  # finished by the last step's output work: nothing of this step is kept
+                continue  # finished by the last step's tokens or output work: nothing of it is kept
+            if rollback and seq in rollback:
+                # Its input was -1 on the device (the sampler drew that token again on the host):
+                # what this step computed for it is dropped, and the next step computes that
+                # position again from the real token (its KV slot is simply overwritten).
+                continue
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
                     self._prompt_logprobs(seq, p.start_pos, logits[first:row])
                 if seq.params.return_context_logits:  # issue 7
                     self._keep_context_logits(seq, p.start_pos, logits[first:row])
+            # Every token up to here is known on the host now (the in-flight ones were just read),
+            # so the prefix cache never hashes a placeholder.
             computed = seq.num_computed_tokens = seq.num_computed_tokens + n
             if reuse and computed // B > seq.num_cached_blocks:  # a block became full
                 kv.cache_full_blocks(seq)
@@ -273,59 +406,122 @@ class EngineCore:
                 rows.append(srow)
                 sample_seqs.append(seq)
                 sample_rows.append(row - 1)
-        # issue 7: beams choose their own tokens
+        # issue 7: beams choose their own tokens (on the host, from this step's logits: never in flight)
         if self._beam_requests and any(s.params.use_beam_search for s in sample_seqs):
             sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
         sampled: list[_Sampled] = []
         any_done = False
         if sample_seqs:
-            sel = logits[torch.tensor(sample_rows, device=logits.device)] if row != len(sample_rows) else logits
-            out = self._sample(sel, rows, sample_seqs)
-            token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
-            append = self._append_token
-            for i, seq in enumerate(sample_seqs):
-                if seq.status is _FINISHED:
-                    continue  # finished by the output work that ran while it was sampled: dropped
-                # Copied now: a CUDA-graph step's logits are overwritten by the next step.
-                keep_logits = sel[i].cpu() if seq.request.params.return_generation_logits else None
-                e = append(seq, token_ids[i], logprobs[i], tops[i], keep_logits)
-                sampled.append(e)
-                if seq.finish_reason is not None:
-                    any_done = True
+            sel = logits if row == len(sample_rows) else logits[_upload_rows(sample_rows, logits.device)]
+            gen = None
+            if self._gen_logits_requests:
+                # Copied now (pinned, not waited for: the sampler's read waits): the next step may
+                # overwrite a CUDA graph's logits before this step's tokens are read.
+                gen = [_to_host_async(sel[i]) if s.request.params.return_generation_logits else None
+                       for i, s in enumerate(sample_seqs)]
+            handle, out = self._launch(sel, rows, sample_seqs)
+            if self._pending:
+                self._overlapped_outputs()
+            if handle is not None and self._overlap_ok(handle):
+                # Async scheduling: the tokens stay on the device; the next step is planned first.
+                handle.detach()  # the read no longer waits for it, and the logits may be overwritten
+                for i, seq in enumerate(sample_seqs):
+                    seq.inflight_row = i
+                self._inflight = _InFlight(handle, sample_seqs, gen)
+            else:
+                if out is None:
+                    out = self._finish_sampling(handle, sel, rows, sample_seqs)
+                sampled, any_done = self._append_sampled(sample_seqs, out, gen)
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
         if sampled:
-            if not self.async_output or not self.scheduler.has_work:
-                self._finish_outputs(sampled)  # nothing follows (or synchronous mode): no waiting
-            elif not any_done:
-                self._pending = sampled
-            else:
-                # A request that ended in the fast part gets its result now, not one step later.
-                done, self._pending = [], []
-                for e in sampled:
-                    (done if e.seq.finish_reason is not None and e.seq.request.finished else self._pending).append(e)
-                if done:
-                    self._finish_outputs(done)
-        return self._stats(t0, sched, num_prompt_tokens, len(sampled), num_context)
+            self._settle(sampled, any_done)
+        return self._stats(t0, sched, num_prompt_tokens, num_generated + len(sampled), num_context)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence]):
-        """Sample ``logits`` ([S, V] float32); the pending output work runs while the device works.
+    def _settle(self, sampled: list[_Sampled], any_done: bool) -> None:
+        """Queue the slow part of tokens whose fast part ran (`_pending`), or run it now where
+        nothing follows, in synchronous mode, and for requests the fast part finished."""
+        if not self.async_output or not self.scheduler.has_work:
+            self._finish_outputs(sampled)  # nothing follows (or synchronous mode): no waiting
+        elif not any_done:
+            self._pending.extend(sampled)
+        else:
+            # A request that ended in the fast part gets its result now, not one step later.
+            done = []
+            for e in sampled:
+                (done if e.seq.finish_reason is not None and e.seq.request.finished else self._pending).append(e)
+            if done:
+                self._finish_outputs(done)
+
+    def _append_sampled(self, seqs: list[Sequence], out: SamplerOutput,
+                        gen: Optional[list]) -> tuple[list[_Sampled], bool]:
+        """The fast part of a step's tokens (``out`` row i belongs to ``seqs[i]``); ``gen``: host
+        copies of the rows' logits for ``return_generation_logits`` (None for the others), or None.
+        Returns the appended tokens and whether any finished its sequence."""
+        token_ids, logprobs, tops = out.token_ids, out.logprobs, out.top_logprobs
+        append = self._append_token
+        sampled: list[_Sampled] = []
+        any_done = False
+        for i, seq in enumerate(seqs):
+            if seq.status is _FINISHED:
+                continue  # finished by output work that ran after it was scheduled (stop string): dropped
+            e = append(seq, token_ids[i], logprobs[i], tops[i], gen[i] if gen is not None else None)
+            sampled.append(e)
+            if seq.finish_reason is not None:
+                any_done = True
+        return sampled, any_done
+
+    # ---- async scheduling ----------------------------------------------------------------------
+    def _overlap_ok(self, handle=None) -> bool:
+        """Whether a step may stay in flight (its tokens unread) while the next one is planned: on
+        (``async_scheduling``), an executor with ``supports_async_scheduling``, and a sampler call
+        whose tokens are a device tensor (``handle.tokens``) and that can be made independent of
+        later device work (``handle.detach()``, see `Sampler.launch`'s `_Pending`)."""
+        return (self.async_scheduling and getattr(self.executor, "supports_async_scheduling", False)
+                and (handle is None or (getattr(handle, "tokens", None) is not None
+                                        and getattr(handle, "detach", None) is not None)))
+
+    def _resolve_inflight(self) -> tuple[int, frozenset]:
+        """Read the in-flight step's tokens and run their fast part; their slow part is queued
+        (`_settle`). Returns (tokens appended, sequences whose token the device did not have: -1
+        rows the sampler drew again on the host, so a step launched meanwhile computed them from a
+        wrong input). Raises what the sampler's ``finish`` raises (the step is then lost: its logits
+        may have been overwritten, so rows cannot be sampled apart as in `_finish_sampling`)."""
+        prev, self._inflight = self._inflight, None
+        for seq in prev.seqs:
+            seq.inflight_row = -1
+        out = prev.handle.finish()
+        sampled, any_done = self._append_sampled(prev.seqs, out, prev.gen)
+        if sampled:
+            self._settle(sampled, any_done)
+        redrawn = getattr(prev.handle, "redrawn", ())
+        return len(sampled), (frozenset(prev.seqs[i] for i in redrawn) if len(redrawn) else _NO_SEQS)
+
+    def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence]):
+        """Start sampling ``logits`` ([S, V] float32): (handle, None), or (None, `SamplerOutput`).
 
         A sampler may offer ``launch(logits, rows) -> handle`` (every device operation queued, no
         device->host read) and ``handle.finish() -> SamplerOutput`` (the read); calling the sampler
         must equal ``launch(...).finish()``. Then the last step's output work also overlaps the
-        sampler's kernels and its host-side launches. Sequences that work finishes were sampled
-        anyway; the caller drops their tokens.
+        sampler's kernels and its host-side launches, and with ``handle.tokens`` (the sampled ids
+        on the device) and ``handle.detach()`` the step may stay in flight (async scheduling).
+        Without ``launch`` the sampler is called here. If it raises, rows are sampled apart
+        (`_sample_rows_apart`).
         """
         launch = getattr(self.sampler, "launch", None)
         try:
             if launch is None:
-                return self.sampler(logits, rows)  # the output work already ran, right after execute
-            handle = launch(logits, rows)
-            if self._pending:
-                self._overlapped_outputs()
-            return handle.finish()
+                return None, self.sampler(logits, rows)  # the output work already ran, right after execute
+            return launch(logits, rows), None
         except Exception as e:  # noqa: BLE001 - isolate the request(s) that caused it
+            return None, self._sample_rows_apart(logits, rows, seqs, e)
+
+    def _finish_sampling(self, handle, logits: torch.Tensor, rows: list[SamplingRow],
+                         seqs: list[Sequence]) -> SamplerOutput:
+        """``handle.finish()``; if it raises, the rows are sampled apart from ``logits``."""
+        try:
+            return handle.finish()
+        except Exception as e:  # noqa: BLE001
             return self._sample_rows_apart(logits, rows, seqs, e)
 
     def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence],
@@ -592,6 +788,22 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+
+
+def _upload_rows(rows: list[int], dev: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 index tensor on ``dev``, through pinned memory: an upload from pageable
+    memory waits for everything queued on the stream (the forward pass of an in-flight step)."""
+    up = Upload()
+    h = up.add(np.asarray(rows, dtype=np.int64))
+    return up.send(dev)[h]
+
+
+def _to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``. On CUDA it is queued into pinned memory without waiting, so it is
+    valid once the stream has passed this point (the step's sampler read waits for that)."""
+    if not t.is_cuda:
+        return t.clone()
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
 def _copy(entries: Optional[list]) -> Optional[list]:

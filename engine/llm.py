@@ -340,6 +340,13 @@ class EngineLoop:
     def _run(self) -> None:
         running = True
         try:
+            # This thread samples on the device the logits come back on; with pipeline parallelism
+            # that is the last stage's GPU, not this process's default one (Triton needs it current).
+            dev = getattr(self.core.executor, "output_device", None)
+            if dev is not None and dev.type == "cuda":
+                import torch
+
+                torch.cuda.set_device(dev)
             while running:
                 # Block for input only when there is nothing to compute.
                 try:

@@ -18,6 +18,14 @@ On CUDA (TensorRT-LLM's and vLLM's recipe):
   only device-to-host synchronisation per step is the sampler reading the chosen token ids;
 - block tables are mirrored in a persistent host array (`HostBlockTables`) that each step updates
   with the blocks appended since the last one, so a step's host work does not grow with context.
+
+Async scheduling (``supports_async_scheduling``; `engine_core` explains the engine's side): a step may
+be planned before the previous step's sampled tokens are read. A `ScheduledSeq` with
+``inflight_row >= 0`` carries a placeholder id; `set_inflight_tokens` hands over the previous step's
+sampled-id tensor (still on the device), and `execute` copies row ``inflight_row`` of it into the
+input ids on the device, after the inputs' host-to-device copy and before the forward pass (eager) or
+the graph replay (`cuda_graphs`' ``fix_inputs`` hook). Ids of -1 (rows the sampler redraws on the
+host) are clamped to 0: the engine discards what such a row computes.
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ class ScheduledSeq:
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the sequence: produce logits for its last token
     all_logits: bool = False  # return logits for every token of the chunk (prompt logprobs)
+    # >= 0: token_ids is one placeholder; the real id is this row of the tensor given to
+    # `ModelRunner.set_inflight_tokens` (the previous step's sampled ids, not read on the host yet).
+    inflight_row: int = -1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -147,6 +158,10 @@ class ModelRunner:
         MemoryError: no room for even one KV block.
     """
 
+    # `EngineCore` may plan a step before it has read the previous step's tokens (see the module
+    # docstring); executors without this attribute always get settled plans.
+    supports_async_scheduling = True
+
     def __init__(self, model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, device: str = "auto", dtype: str = "auto",
                  pc: Optional[ParallelContext] = None, layer_range: Optional[tuple[int, int]] = None) -> None:
@@ -184,6 +199,8 @@ class ModelRunner:
         self.free_bytes_for_kv = 0.0
         self.profile_peak_bytes = 0
         self._staging = _Staging(self.device)
+        self._inflight_staging = _Staging(self.device)  # (destination, source) rows of in-flight ids
+        self._inflight_tokens: Optional[torch.Tensor] = None
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=max_batch_size + 64)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
@@ -315,6 +332,46 @@ class ModelRunner:
     def _forward(self, ids, pos, meta, caches, hidden=None, residual=None):
         return self.model(ids, pos, meta, caches, hidden, residual)
 
+    # ---- async scheduling ----------------------------------------------------------------------
+    def set_inflight_tokens(self, tokens: torch.Tensor) -> None:
+        """Give the next `execute` the previous step's sampled ids: ``tokens`` [S] int64 on this
+        runner's device (-1 allowed: clamped to 0), read at row ``inflight_row`` by each sequence of
+        the plan that has one. Consumed by that call."""
+        self._inflight_tokens = tokens
+
+    def _inflight_fix(self, seqs: list[ScheduledSeq]):
+        """The device-side fix-up of this step's input ids, or None: a callable that writes the
+        in-flight ids into ``ids`` ([>= T] int64 on the device, flat token order) on the current
+        stream. Its index upload is queued now (one small copy; none when the in-flight rows are the
+        first k tokens and read rows 0..k-1, the decode-only steady state).
+        """
+        tokens, self._inflight_tokens = self._inflight_tokens, None
+        dst: list[int] = []
+        src: list[int] = []
+        off = 0
+        for s in seqs:
+            r = s.inflight_row
+            if r >= 0:
+                dst.append(off)
+                src.append(r)
+            off += len(s.token_ids)
+        if not dst:
+            return None
+        k = len(dst)
+        if dst[-1] == k - 1 and src == list(range(k)):  # dst is increasing: it is 0..k-1
+
+            def fix(ids: torch.Tensor) -> None:
+                torch.clamp(tokens[:k], min=0, out=ids[:k])
+            return fix
+        buf = self._inflight_staging.take(2 * k)
+        buf[:k] = dst
+        buf[k:] = src
+        idx = self._inflight_staging.send(2 * k, self.device)
+
+        def fix(ids: torch.Tensor) -> None:
+            ids.index_copy_(0, idx[:k], tokens.index_select(0, idx[k:]).clamp_(min=0))
+        return fix
+
     # ---- the step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
@@ -322,13 +379,22 @@ class ModelRunner:
 
         Rows are in schedule order: a sequence with ``sample`` contributes one row (its last token);
         one with ``all_logits`` contributes one row per computed token. On a decode CUDA-graph step
-        the logits are a view of a static buffer, valid until the next ``execute``.
+        the logits are a view of a static buffer, valid until the next ``execute``. Sequences with
+        ``inflight_row >= 0`` read their input id from the tensor given to `set_inflight_tokens`
+        just before (without it they would compute their placeholder).
+
+        Raises:
+            ValueError: a sequence longer than ``max_seq_len`` on a decode graph step.
         """
+        fix = self._inflight_fix(seqs) if self._inflight_tokens is not None else None
         if self.graphs is not None and self.graphs.can_run(seqs):
-            return self.graphs.run(seqs), list(range(len(seqs)))
+            logits = self.graphs.run(seqs) if fix is None else self.graphs.run(seqs, fix_inputs=fix)
+            return logits, list(range(len(seqs)))
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(seqs):
-            return self.prefill_graphs.run(seqs)
+            return self.prefill_graphs.run(seqs) if fix is None else self.prefill_graphs.run(seqs, fix_inputs=fix)
         ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
+        if fix is not None:
+            fix(ids)
         hidden = self._forward(ids, pos, meta, self.kv_caches)
         if not sample_idx:
             return torch.empty(0, self.cfg.vocab_size, device=self.device), []

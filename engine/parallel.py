@@ -272,6 +272,14 @@ class MultiprocExecutor:
                 self._logits_event = None
 
     @property
+    def output_device(self) -> Optional[torch.device]:
+        """The device the step's logits come back on (the output rank's GPU on one node), or None for
+        the CPU. The engine thread makes it its current CUDA device: Triton launches (the sampler's)
+        need their tensors on the current device, and with pipeline parallelism the output rank is
+        not GPU 0."""
+        return None if self._logits_buf is None else self._logits_buf.device
+
+    @property
     def logits_mode(self) -> int:
         """How the output rank returns logits: `LOGITS_EVENT`, `LOGITS_SYNC` or `LOGITS_PIPE`."""
         if self._logits_buf is None:

@@ -11,6 +11,16 @@ stages. A step's plan is cut into up to ``pp_size`` micro-batches of whole seque
 computes micro-batch 1 while stage 1 computes micro-batch 0 (GPipe-style filling within a step).
 
 Only the output rank (tensor-parallel rank 0 of the last stage) returns logits to the front end.
+
+CUDA graphs: with ``P == 1`` the runner's own decode graphs run (every tensor-parallel rank captures
+the same ones). With ``P > 1`` each stage captures `cuda_graphs.DecodeGraphs` of its own layers
+(stage mode) and every decode-only micro-batch that fits replays one at its padded batch size: a
+stage after the first receives the previous stage's ``[2, b, hidden]`` activations straight into the
+graph's static input buffer, a stage before the last sends from the graph's static output buffer;
+the sends and receives stay outside the graphs. Every rank takes the same graph-or-eager decision for
+a micro-batch (the plan and the batch sizes are the same everywhere), so the padded shapes of a send
+and its receive agree. Steps with a prefill chunk run eagerly. See `rank_graphs_enabled` for the
+switches.
 """
 
 from __future__ import annotations
@@ -50,6 +60,22 @@ LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end
 
 def _env_flag(name: str, default: str = "1") -> bool:
     return os.environ.get(name, default) not in ("0", "", "false", "False", "no")
+
+
+def rank_graphs_enabled(tp_size: int, pipelined: bool) -> bool:
+    """Whether a worker rank captures decode CUDA graphs (on a CUDA device).
+
+    ``KVPILOT_CUDA_GRAPHS=0`` turns off every graph; ``KVPILOT_TP_CUDA_GRAPHS=0`` the graphs of
+    ranks holding a tensor-parallel shard (``tp_size > 1``: TP and TP x PP);
+    ``KVPILOT_PP_CUDA_GRAPHS=0`` those of pipeline stages (``pipelined``: ``P > 1``). All default 1.
+    """
+    from .model_runner import cuda_graphs_enabled
+
+    if not cuda_graphs_enabled():
+        return False
+    if tp_size > 1 and not _env_flag("KVPILOT_TP_CUDA_GRAPHS"):
+        return False
+    return not (pipelined and not _env_flag("KVPILOT_PP_CUDA_GRAPHS"))
 
 
 def step_timing_enabled() -> bool:
@@ -238,22 +264,33 @@ class StageRunner(ModelRunner):
 
     The base class's profiling pass feeds token ids; a stage after the first takes activations
     instead, so `_forward` gives it zeros of the right shape when it has none.
+
+    On CUDA it captures decode graphs (``graphs``, a `DecodeGraphs`, in stage mode for a pipeline
+    stage) after the KV pool is sized, from the memory the pool leaves (`rank_graphs_enabled`).
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # The base runner captures decode graphs only without tensor parallelism. Every TP rank
+        # The base runner captures graphs only for the whole, unsplit model. Every TP rank of a stage
         # builds its runner at the same time, so all capture the same graphs, NCCL calls included;
-        # a failed capture fails the worker (and so the engine) rather than leaving peers waiting.
-        from .model_runner import cuda_graphs_enabled
+        # with TP a failed capture fails the worker (and so the engine) rather than leaving peers
+        # waiting in a collective. Without TP a stage's graphs hold no collective: a failed capture
+        # leaves this rank eager and `Worker` makes every rank follow (its start-up all-reduce).
+        whole = self.model.is_first and self.model.is_last
+        tp = self.model.pc.tp_size
+        if (self.graphs is None and self.device.type == "cuda" and (tp > 1 or not whole)  # else the base's
+                and rank_graphs_enabled(tp, not whole)):
+            from .cuda_graphs import DecodeGraphs, capture_all
 
-        if (self.graphs is None and self.device.type == "cuda" and self.model.is_first and self.model.is_last
-                and cuda_graphs_enabled() and os.environ.get("KVPILOT_TP_CUDA_GRAPHS", "1") != "0"):
-            from .cuda_graphs import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self)
-            self.graphs.capture()
-            logger.info("captured tensor-parallel decode CUDA graphs")
+            if tp == 1:
+                self.graphs, _ = capture_all(self, prefill=False)
+            else:
+                reserved = torch.cuda.memory_reserved()
+                self.graphs = DecodeGraphs(self)
+                self.graphs.capture()
+                logger.info("captured %d decode CUDA graphs (%s, TP %d) in %.1f s, %.0f MB of device memory",
+                            len(self.graphs.graphs), "whole model" if whole else f"layers {self.model.layer_range}",
+                            tp, self.graphs.capture_seconds, (torch.cuda.memory_reserved() - reserved) / 1e6)
 
     def _forward(self, ids, pos, meta, caches, hidden=None, residual=None):
         if hidden is None and not self.model.is_first:
@@ -297,11 +334,19 @@ class Worker:
         self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
                                   spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
                                   pc=pc, layer_range=layer_range)
-        # One pool size for all ranks: the smallest (block ids index every rank's cache).
-        nb = torch.tensor([self.runner.num_blocks], dtype=torch.int64, device=self.device)
-        dist.all_reduce(nb, op=dist.ReduceOp.MIN)
-        self.num_blocks = int(nb.item())
+        # One pool size for all ranks: the smallest (block ids index every rank's cache). Decode
+        # graphs only if every rank has them: a graph micro-batch sends and receives padded shapes,
+        # and TP ranks must run the same collectives.
+        agree = torch.tensor([self.runner.num_blocks, int(self.runner.graphs is not None)], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN)
+        self.num_blocks, all_graphs = (int(v) for v in agree.tolist())
         self.runner.num_blocks = self.num_blocks
+        if self.runner.graphs is not None and not all_graphs:
+            logger.warning("rank %d: another rank has no decode CUDA graphs; every rank runs eagerly", rank)
+            self.runner.graphs = None
+        self.graph_replays = 0  # decode graphs replayed by `execute` with P > 1 (tests, timing)
+        self.timer: Optional[StepTimer] = None  # set by the step loop when step timing is on
         self.is_first = self.pp_rank == 0
         self.is_last = self.pp_rank == spec.pp_size - 1
         self.is_output = self.is_last and self.tp_rank == 0
@@ -335,12 +380,23 @@ class Worker:
         if spec.pp_size == 1:
             return self.runner.execute(plan)  # the base runner's path (CUDA graphs where it has them)
         runner = self.runner
+        graphs = runner.graphs
         mbs = split_microbatches(plan, spec.pp_size if spec.microbatching else 1)
         prev_rank = self.rank - spec.tp_size
         next_rank = self.rank + spec.tp_size
         sends, logits, rows = [], [], []
         offset = 0
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
+            if graphs is not None and graphs.can_run(mb):
+                # The same decision on every rank (same plan, same batch sizes): shapes agree.
+                out = self._replay_stage(graphs, mb, prev_rank, more=i + 1 < len(mbs))
+                if not self.is_last:
+                    sends.append((dist.isend(out, dst=next_rank), out))
+                else:
+                    logits.append(out)
+                    rows.extend(range(offset, offset + len(mb)))
+                offset += len(mb)
+                continue
             ids, pos, meta, sample_idx = runner.prepare(mb)
             n = ids.shape[0]
             hidden = residual = None
@@ -362,7 +418,33 @@ class Worker:
             return None
         if not logits:
             return torch.empty(0, spec.cfg.vocab_size, device=runner.device), []
-        return torch.cat(logits), rows
+        return (logits[0] if len(logits) == 1 else torch.cat(logits)), rows
+
+    def _replay_stage(self, graphs, mb: list[ScheduledSeq], prev_rank: int, more: bool) -> torch.Tensor:
+        """One decode micro-batch through this stage's graph: inputs in, the previous stage's
+        activations received into the static buffer, replay. Returns what goes on: the activations
+        to send ``[2, b, hidden]`` (padded batch ``b``), or on the last stage the logits ``[n, vocab]``
+        float32. ``more``: another micro-batch follows in this step, whose replay would overwrite the
+        static output while its send (or the logits) is still pending, so a copy is returned."""
+        t0 = time.perf_counter() if self.timer is not None else 0.0
+        key = graphs.load(mb)
+        if not self.is_first:
+            # Ordered after the previous replay that read this buffer: NCCL's stream waits for the
+            # current stream before a receive, and the replay waits for the receive.
+            dist.recv(graphs.stage_input(key[0]), src=prev_rank)
+        graphs.replay(key)
+        self.graph_replays += 1
+        if self.is_last:
+            out = graphs.logits(len(mb))
+            if more and graphs.lm_head_in_graph:
+                out = out.clone()
+        else:
+            out = graphs.stage_output(key[0])
+            if more:
+                out = out.clone()
+        if self.timer is not None:
+            self.timer.add("stage_graph", time.perf_counter() - t0)
+        return out
 
 
 def _send_logits(conn, logits: torch.Tensor, rows: list[int], ipc_buf: Optional[torch.Tensor] = None,
@@ -447,6 +529,7 @@ def _serve(worker: Worker, conn) -> None:
     output_rank = (spec.pp_size - 1) * spec.tp_size
     decoder = PlanDecoder()
     timer = StepTimer() if step_timing_enabled() else None
+    worker.timer = timer
     on_gpu = spec.device.startswith("cuda")
     spin = pipe_spin_seconds(spec.device)
     clock = time.perf_counter

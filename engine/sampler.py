@@ -24,10 +24,12 @@ comparison is ``float64(mass above) < float64(top_p) * float64(total)``. The dra
 ``z + G`` over kept tokens, ties by lower id.
 
 Paths: on CUDA with Triton (the default; ``KVPILOT_TRITON_SAMPLER=0`` turns it off),
-`kvpilot.kernels.sampling` draws every row without sorting and without ``[rows, V]`` temporaries;
-elsewhere plain rows add the full noise and filtered rows first try
-the best ``_TOPK_CANDIDATES_MAX`` tokens (exact when they provably hold the kept set). Rows neither
-settles fall back to `_draw_exact` (a stable full sort).
+`kvpilot.kernels.sampling` draws every row without sorting and without ``[rows, V]`` temporaries
+(rows with top-k through a window around the kept prefix's end; rows with only top-p/min-p by
+testing Gumbel-max candidates for membership, which needs no boundary at all: ``_Draw`` puts
+those last, and the kernels get their count); elsewhere plain rows add the full noise and
+filtered rows first try the best ``_TOPK_CANDIDATES_MAX`` tokens (exact when they provably hold
+the kept set). Rows neither settles fall back to `_draw_exact` (a stable full sort).
 
 Log-probabilities are taken from the unmodified distribution (``log_softmax`` of the raw logits),
 as vLLM's default and OpenAI's API do, so top-p/top-k never shrink the ``logprobs`` lists.
@@ -303,9 +305,10 @@ class _Draw:
 
     ``fprm`` [S, 4] float32: temperature, top_p, log(min_p) (-inf = off), 0. ``iprm`` [S, 4]
     int64: top_k (0 = off), seed, step, 0. ``order`` [S] int64: the rows plain + greedy + filtered
-    (for the kernels). ``plain``, ``greedy``, ``filt``: ascending int64 row indices of each kind;
-    ``ks`` [S] int64: top_k. top_k >= V is off, and top_p <= 0 becomes top_k 1 (both keep only the
-    best token). `tensors` (or `add_to` a call's `Upload`) puts fprm, iprm and order on the device;
+    (for the kernels), the filtered ones with top-k first and the last ``n_pivot`` without top-k
+    (the kernels' pivot rows). ``plain``, ``greedy``, ``filt``: ascending int64 row indices of
+    each kind; ``ks`` [S] int64: top_k. top_k >= V is off, and top_p <= 0 becomes top_k 1 (both
+    keep only the best token). `tensors` (or `add_to` a call's `Upload`) puts fprm, iprm and order on the device;
     `keys` gives the PyTorch paths their row keys (the kernels hash seed and step themselves).
     """
 
@@ -328,13 +331,15 @@ class _Draw:
         filt = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))
         self.greedy, self.filt = np.flatnonzero(greedy), np.flatnonzero(filt)
         self.plain = np.flatnonzero(~greedy & ~filt)
+        self.n_pivot = int(np.count_nonzero(top_k[self.filt] == 0))
         self.ks = top_k
         if (min_p > 0).any():
             fprm[:, 2] = _log_min_p(torch.from_numpy(np.array(min_p, dtype=np.float32))).numpy()  # a writable copy
         else:
             fprm[:, 2] = float("-inf")
         self.fprm, self.iprm = fprm, iprm
-        self.order = np.concatenate([self.plain, self.greedy, self.filt])
+        fk = top_k[self.filt] > 0  # filtered rows with top-k first, then top-p/min-p only (pivot rows)
+        self.order = np.concatenate([self.plain, self.greedy, self.filt[fk], self.filt[~fk]])
 
     def keys(self) -> np.ndarray:
         """[S] int64 row keys (`_row_keys` of seed and step), computed on the host."""
@@ -378,7 +383,7 @@ class Sampler:
 
     ``sampler(logits, rows)`` equals ``sampler.launch(logits, rows).finish()``: `launch` queues
     every device operation without reading the device, so the caller can do host work while they
-    run (`EngineCore._sample`); ``finish`` makes the call's one device->host read.
+    run (`EngineCore._launch`); ``finish`` makes the call's one device->host read.
     """
 
     BACKENDS = ("auto", "triton", "torch", "exact")
@@ -436,7 +441,7 @@ class Sampler:
                 from .kernels import sampling as ksampling
 
                 n_plain = len(d.plain) + len(d.greedy)
-                tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:])
+                tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:], n_pivot=d.n_pivot)
             else:
                 keys = t[hk]
                 tokens = self._draw_torch(x, d, fprm, iprm, keys, order)
@@ -502,21 +507,66 @@ class Sampler:
 
 
 class _Pending:
-    """A launched sampler call: the device results, read by `finish` (see `Sampler.launch`)."""
+    """A launched sampler call: the device results, read by `finish` (see `Sampler.launch`).
+
+    ``tokens``: [S] int64 on the device, the chosen ids, -1 for rows `finish` draws again (the
+    engine's async scheduling feeds them to the next step before `finish`); after `finish`,
+    ``redrawn`` lists those rows (ascending int64 indices).
+    """
 
     def __init__(self, sampler: Sampler, raw: torch.Tensor, x: torch.Tensor, recs: np.ndarray,
                  d: Optional[_Draw], fprm, iprm, keys, tokens: torch.Tensor, lp_rows: np.ndarray, lp):
         self.sampler, self.raw, self.x, self.recs, self.d = sampler, raw, x, recs, d
         self.fprm, self.iprm, self.keys, self.tokens, self.lp_rows, self.lp = fprm, iprm, keys, tokens, lp_rows, lp
+        self.redrawn: np.ndarray = np.empty(0, np.int64)
+        self._host: Optional[list[torch.Tensor]] = None  # results copied by `detach`
+        self._ready = None  # the event after those copies
+
+    def detach(self) -> None:
+        """Make `finish` independent of device work queued after this call (the engine's async
+        scheduling queues the next step's forward pass before reading this call): the results'
+        device->host copies are queued now, with an event that `finish` waits for instead of the
+        whole stream, and the logits rows `finish` may still read (rows a fast path may hand to the
+        exact draw, and their raw rows for log-probabilities) are copied into tensors of this call's
+        own, so the caller may overwrite the logits (the next CUDA graph replay writes the same static
+        buffer). Queues work only (no logits copy when no row is filtered)."""
+        d = self.d
+        if d is not None and len(d.filt):
+
+            def keep(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+                if len(rows) == t.shape[0]:
+                    return t.clone()
+                out = torch.empty_like(t)  # only ``rows`` are ever read
+                up = Upload()  # pinned: an upload from pageable memory would wait for the stream
+                h = up.add(rows)
+                idx = up.send(t.device)[h]
+                return out.index_copy_(0, idx, t.index_select(0, idx))
+
+            if self.x is self.raw:
+                self.x = self.raw = keep(self.raw, d.filt)
+            else:  # ``x`` is already a processed copy; raw rows are read for redrawn rows' logprobs
+                rows = np.intersect1d(self.lp_rows, d.filt)
+                if rows.size:
+                    self.raw = keep(self.raw, rows)
+        if self.tokens.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in [self.tokens] + list(self.lp or ())]
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     def finish(self) -> SamplerOutput:
         """The tokens (and log-probabilities) as host lists: the call's one device->host read, plus
         one more only when a fast path handed rows to the exact draw."""
-        host = to_host([self.tokens] + (list(self.lp) if self.lp is not None else []))
+        if self._host is not None:  # queued by `detach`
+            self._ready.synchronize()
+            host = self._host
+        else:
+            host = to_host([self.tokens] + (list(self.lp) if self.lp is not None else []))
         tokens = host[0].tolist()
         S = len(tokens)
         redo = np.flatnonzero(host[0].numpy() < 0) if self.d is not None and len(self.d.filt) else []
         if len(redo):
+            self.redrawn = redo
             self.sampler.exact_rows += len(redo)
             logger.debug("sampler: %d of %d filtered rows drawn by the exact path", len(redo), len(self.d.filt))
             sel = torch.from_numpy(redo).to(self.x.device)

@@ -7,6 +7,12 @@ tokens as the budget allows (chunked prefill), after taking any cached prefix bl
 cannot hold a running sequence's next tokens, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the head of the queue with the tokens it has
 produced, to be recomputed later (vLLM v1's recompute preemption). The output is plain data.
+
+Async scheduling (`engine_core`): a running sequence whose last sampled token is still on the device
+(``Sequence.inflight_row >= 0``) counts that token as one more to compute, and is left out when that
+token is its last (its length limit). ``schedule(preempt=False)`` returns None instead of preempting,
+so that the engine can first read the in-flight tokens (which may finish sequences and free blocks)
+and preempt, if it must, on settled state.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .kv_cache_manager import KVCacheManager
 from .sequence import Sequence, SequenceStatus
@@ -70,7 +77,9 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, preempt: bool = True) -> Optional[SchedulerOutput]:
+        """This step's work. With ``preempt=False`` returns None where it would have to preempt (the
+        blocks given to the sequences before that one stay theirs: a new schedule needs them too)."""
         out = SchedulerOutput()
         scheduled = out.scheduled
         budget = self.max_num_tokens
@@ -80,7 +89,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             computed = seq.num_computed_tokens
-            n = len(seq.token_ids) - computed
+            num_tokens = len(seq.token_ids)
+            if seq.inflight_row >= 0:  # its sampled token is still on the device
+                num_tokens += 1
+                if num_tokens >= seq.length_limit:  # and it is the last one: nothing more to compute
+                    i += 1
+                    continue
+            n = num_tokens - computed
             if n > budget:
                 n = budget
             if len(seq.block_table) * block_size >= computed + n:  # fits its blocks already
@@ -88,6 +103,8 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
+            if not preempt and not self.kv.can_allocate(seq, n):
+                return None
             while not self.kv.can_allocate(seq, n):
                 victim = running.pop()
                 self._preempt(victim, out)

@@ -53,10 +53,15 @@ class Sequence:
     sampling_row: Optional[SamplingRow] = None  # built at the first sampled token, then updated
     # True once `sampling_row` changes only in its ``step`` (no penalties, past ``min_tokens``).
     sampling_row_fixed: bool = False
-    # The engine's per-token checks, cached at the first sampled token: ids that end the sequence
-    # (stop token ids, and the end ids unless ignore_eos) and the length it stops at.
+    # The engine's per-token checks: ids that end the sequence (stop token ids, and the end ids
+    # unless ignore_eos; cached at the first sampled token) and the length it stops at (set when the
+    # request is added: the scheduler reads it for in-flight tokens).
     stop_ids: Optional[frozenset[int]] = None
     length_limit: int = 0
+    # Async scheduling: >= 0 while a token sampled for this sequence is still on the device (not in
+    # ``token_ids`` yet): the row of the in-flight step's sampled-id tensor that holds it. The
+    # scheduler counts it as a token to compute; the engine resets it when it reads the step.
+    inflight_row: int = -1
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.request.num_prompt_tokens  # fixed; read many times per step

@@ -6,8 +6,35 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
 
 - Greedy rows and rows without top-k/top-p/min-p: ``_plain_kernel``, one pass, arg-max of
   ``logits`` or of ``logits / T + G`` per chunk; ``_resolve_kernel`` reduces the chunks.
-- Filtered rows find where their kept prefix (in order of value, then token id) ends without
-  sorting. ``_max_kernel``: the row max ``m``. ``_stats_kernel`` (stage 1): count and approximate
+- Rows filtered by top-p and/or min-p alone (no top-k; ``draw``'s ``n_pivot`` rows) take, when
+  ``CONFIG["pivot_rounds"]`` > 0 (off by default: an unexplained illegal memory access, see CONFIG),
+  the pivot path, which never locates the kept prefix's end. The kept set K is a prefix of the order (value
+  desc, then id), so if j is the Gumbel-max token (arg-max of ``z + G``, ties -> lowest id) over
+  any superset of K, either j is in K, and then it is the reference's token, or every token of K
+  is ordered before j, and the draw continues among those. ``_pivot_first_kernel`` (pass 1): the
+  row max ``m`` and the candidate j_0 over all tokens (lanes skip tokens below their running max
+  + log(min_p), a superset of the min-p set). Then per generation g (``_pivot_kernel``):
+  an M pass (MASS) sums the exact mass of the tokens ordered before j_g (the first also the row's
+  total W) and a C pass (DECIDE 2) settles j_g by the reference's comparison; where j_g is not
+  kept, the C pass makes noise only in blocks holding tokens ordered before j_g, and finds the
+  best candidate (and the exact mass) of each of ``pivot_levels`` nested prefixes of those tokens:
+  all of them, and the ones at or above values evenly spaced from z_j up to ``m`` (or, when z_j
+  is ``m`` itself, the tied maxima below evenly spaced ids). The next M pass takes the smallest
+  prefix whose mass reaches top_p * W (it holds K: every token after it has that much mass before
+  it); its candidate is accepted at once when it also lies in the next smaller prefix (mass below
+  top_p * W: every token of it is kept), or when no mass is needed (top_p = 1 and it passes
+  min-p). Finished rows' programs exit at once. The candidate of pass 1 is a sample of the whole
+  distribution, so about a top_p share of the rows is settled by two passes; the levels settle
+  nearly all others within two more generations, even for top_p 0.01 on flat logits (a plain
+  chain of candidates shrinks the mass only by a uniform factor per generation).
+  ``CONFIG["pivot_fuse"]`` finds the next candidates in the M pass instead (settled at the start
+  of the next M pass; no C passes): fewer launches, noise made in every row. After
+  ``CONFIG["pivot_rounds"]`` generations a row still unsettled gets -1; ``_resolve_kernel``
+  settles the last generation.
+- Other filtered rows (top-k, with or without top-p/min-p; every filtered row when
+  ``pivot_rounds`` is 0) take the window path: they find where their kept prefix (in order of
+  value, then token id) ends without sorting. ``_max_kernel``: the row max ``m``.
+  ``_stats_kernel`` (stage 1): count and approximate
   mass of the tokens above 16 fixed depths below ``m``, from which a window ``[c_lo, c_hi)`` of
   values is chosen that must hold every boundary (top-k's k-th token, top-p's last token); when the
   window holds more than ``wcap`` tokens, stage 2 counts again at 16 depths inside it (rows that
@@ -28,13 +55,15 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
 Masses are the fixed-point integers ``floor(exp(z - m) * 2**44)`` that the reference sums too, so
 every exact decision is the same integer comparison in both (no summation-order rounding).
 A row whose window cannot settle it exactly (too many tokens in it; unlikely combinations such as a
-huge top-k with a small top-p) gets -1, and the caller draws it with the exact reference.
+huge top-k with a small top-p), or that the pivot path did not settle within its generations, gets
+-1, and the caller draws it with the exact reference.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -59,6 +88,16 @@ CONFIG = {
     "collect_block": 512,  # columns per loop step of the collect pass (< 4096; fewer registers)
     "stats_block": 256,  # columns per loop step of the stats pass (x 16 levels of accumulators)
     "wcap": 8192,  # tokens a window may hold (per row); more -> stage 2, then the exact path
+    # Candidate generations of the pivot path (then -1: exact path); 0 = path off. Off by default:
+    # on an H200 `benchmarks/sampler_bench.py --kinds top_p,top_p_low --variants "...;pivot_block=512;..."`
+    # hit an illegal memory access in `_pivot_kernel` (compute-sanitizer: the load in `_best`), not
+    # reproduced on the CPU with every load and store bounds-checked, nor with poisoned scratch on the
+    # GPU (BENCHMARKS.md, fifth session). With 4 it took top-p 0.9 from 927 to 409 us at 256 x 128k.
+    "pivot_rounds": 0,
+    "pivot_fuse": 0,  # 1: each M pass also finds the next candidate (no C passes)
+    "pivot_block": 1024,  # columns per loop step of pass 1 and the M passes of the pivot path
+    "pivot_cblock": 64,  # columns per loop step of its passes that find candidates (x levels)
+    "pivot_levels": 16,  # nested prefixes those passes find candidates in (a power of 2)
 }
 """Launch parameters (tests shrink ``chunk`` and ``wcap`` to reach every path with a tiny vocab)."""
 
@@ -370,6 +409,213 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
     tl.store(pib_ptr + o, tl.min(tl.where(best_y == yb, best_i, _INT_MAX), 0))
 
 
+# ---- the pivot path: rows filtered by top-p and/or min-p only ----------------------------------
+@triton.jit
+def _best(cy_ptr, ci_ptr, off, NS, SP: tl.constexpr):
+    """The id of the best of NS partial (y, id) pairs at ``off``: largest y, ties -> lowest id."""
+    so = tl.arange(0, SP)
+    cy = tl.load(cy_ptr + off + so, mask=so < NS, other=float("-inf"))
+    ci = tl.load(ci_ptr + off + so, mask=so < NS, other=_INT_MAX)
+    return tl.min(tl.where(cy == tl.max(cy, 0), ci, _INT_MAX), 0)
+
+
+@triton.jit
+def _pivot_kept(pw_ptr, pmb_ptr, ow, omb, NS, p, zj, thr, SP: tl.constexpr):
+    """Whether a candidate with value zj is kept: min-p, then the reference's top-p comparison
+    float64(mass ordered before it) < float64(top_p) * float64(row mass), from NS partials each."""
+    so = tl.arange(0, SP)
+    w = tl.sum(tl.load(pw_ptr + ow + so, mask=so < NS, other=0), 0)
+    mb = tl.sum(tl.load(pmb_ptr + omb + so, mask=so < NS, other=0), 0)
+    return _flag(zj >= thr) & (_flag(p >= 1.0) | (mb.to(tl.float64) < p.to(tl.float64) * w.to(tl.float64)))
+
+
+# Row lists are slices of the engine's row order whose alignment varies with the row counts: read
+# once per program, they are not specialised on (no variant compiled per alignment).
+@triton.jit(do_not_specialize=["rows_ptr"])
+def _pivot_first_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, state_ptr, NS,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Pivot pass 1, per chunk: max of z = div_rn(x, T), and the best (z + G, id) among the tokens
+    with z >= (their lane's running max of z) + log(min_p), a superset of the row's min-p set.
+    Program 0 of a row sets its state: -2 (in progress), or -1 for a row with top-k (not ours)."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(rows_ptr + i)
+    t = tl.load(fprm_ptr + r * 4)
+    lmp = tl.load(fprm_ptr + r * 4 + 2)
+    key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
+    base = x_ptr + r.to(tl.int64) * stride
+    mz = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_y = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], _INT_MAX, tl.int32)
+    for start in range(0, CHUNK, BLOCK):
+        cols = s * CHUNK + start + tl.arange(0, BLOCK)
+        inr = cols < V
+        z = tl.math.div_rn(tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32), t)
+        mz = tl.maximum(mz, z)
+        y = z + _gumbel(key, cols)
+        upd = inr & (z >= mz + lmp) & ((y > best_y) | ((y == best_y) & (cols < best_i)))
+        best_y = tl.where(upd, y, best_y)
+        best_i = tl.where(upd, cols, best_i)
+    o = i * NS + s
+    tl.store(pmax_ptr + o, tl.max(mz, 0))
+    yb = tl.max(best_y, 0)
+    tl.store(cy_ptr + o, yb)
+    tl.store(ci_ptr + o, tl.min(tl.where(best_y == yb, best_i, _INT_MAX), 0))
+    if s == 0:
+        tl.store(state_ptr + i, tl.where(tl.load(iprm_ptr + r * 4) == 0, -2, -1).to(tl.int32))
+
+
+@triton.jit
+def _in_levels(z, cols, cl, il):
+    """[L, BLOCK]: token ordered before level l's boundary (value cl[l], id il[l]), i.e. z > cl[l]
+    or z == cl[l] with id < il[l] (il = INT_MAX takes every token equal to cl[l])."""
+    zz = z[None, :]
+    return (zz > cl[:, None]) | ((zz == cl[:, None]) & (cols[None, :] < il[:, None]))
+
+
+@triton.jit
+def _level_best(best_y, best_i, c, z, cols, cl, il, key):
+    """Per level l ([L, BLOCK] running bests): arg-max of z + G over tokens with c in level l."""
+    if tl.max(c.to(tl.int32), 0) > 0:  # noise only where some token qualifies
+        y = (z + _gumbel(key, cols))[None, :]
+        upd = c[None, :] & _in_levels(z, cols, cl, il) & ((y > best_y) | ((y == best_y) & (cols[None, :] < best_i)))
+        best_y = tl.where(upd, y, best_y)
+        best_i = tl.where(upd, cols[None, :], best_i)
+    return best_y, best_i
+
+
+@triton.jit(do_not_specialize=["rows_ptr", "NF", "g"])
+def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, pf_ptr, lv_ptr,
+                  li_ptr, cj_ptr, cz_ptr, pw_ptr, pmb_ptr, state_ptr, NF, NS, g,
+                  DECIDE: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr, CAND: tl.constexpr,
+                  L: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                  PRECISE: tl.constexpr):
+    """One pass of pivot generation g over the chunks of the rows still in progress (state -2).
+
+    Partials are laid out [generation, level, row, chunk]; generation g's candidates come from
+    level 0 (all tokens ordered before j_{g-1}, or pass 1's set for g = 0) or level l, the prefix
+    P_l of the tokens ordered before j_{g-1} and before the boundary (c_l, i_l): c_l = z_j +
+    (m - z_j) * l / L with every token equal to c_l, or, when z_j is the row max m (the kept set
+    lies inside the tied maxima), c_l = m with ids below i_l = j * (L - l) / L.
+
+    DECIDE 1 / 2: first settle the candidate of generation g - 1 / g from its stored id (cj), value
+    (cz) and mass partials; a kept one is the row's token (program 0 stores it in the state).
+    MASS ("M pass"): picks the tightest P_l whose exact mass reaches top_p * W (it holds every
+    kept token: those below it have at least that mass before them), its best token is j_g;
+    j_g is accepted at once when it also lies in P_{l+1} (mass < top_p * W: all kept) or when no
+    mass is needed (top_p = 1, j_g passes min-p); else sums the partial mass of the tokens ordered
+    before j_g (pmb[g]; TOTAL: also the row's mass W, pw).
+    CAND: for generation g + 1, each level's partial mass (p < 1) and best (z + G, id) among the
+    level's tokens that pass min-p (noise and masses only in blocks holding tokens before j_g).
+    """
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    r = tl.load(rows_ptr + i)
+    go = tl.load(state_ptr + i) == -2
+    if go:
+        t = tl.load(fprm_ptr + r * 4)
+        p = tl.load(fprm_ptr + r * 4 + 1)
+        m = _row_max(pmax_ptr, i, NS, SP)
+        thr = m + tl.load(fprm_ptr + r * 4 + 2)
+        top_p = _flag(p < 1.0)
+        base = x_ptr + r.to(tl.int64) * stride
+        lev = tl.arange(0, L)
+        if DECIDE != 0:
+            if DECIDE == 1:
+                d = g - 1
+            else:
+                d = g
+            kept = _pivot_kept(pw_ptr, pmb_ptr, i * NS, (d * NF + i) * NS, NS, p, tl.load(cz_ptr + d * NF + i),
+                               thr, SP)
+            if kept:
+                if s == 0:
+                    tl.store(state_ptr + i, tl.load(cj_ptr + d * NF + i))
+            go = go & (~kept)
+        if MASS:
+            lstar = tl.full((), 0, tl.int32)
+            nxt = tl.full((), float("inf"), tl.float32)  # boundary of level lstar + 1 (inf: none)
+            nxt_i = tl.full((), _INT_MAX, tl.int32)
+            if (g > 0) & top_p:
+                so = tl.arange(0, SP)
+                w = tl.sum(tl.load(pw_ptr + i * NS + so, mask=so < NS, other=0), 0)
+                fo = ((g * L + lev[:, None]) * NF + i) * NS + so[None, :]
+                f = tl.sum(tl.load(pf_ptr + fo, mask=(so < NS)[None, :] & (lev > 0)[:, None], other=0), 1)
+                ok = (lev == 0) | (f.to(tl.float64) >= p.to(tl.float64) * w.to(tl.float64))
+                lstar = tl.max(tl.where(ok, lev, 0), 0)
+                nl = lev == lstar + 1
+                nxt = tl.min(tl.load(lv_ptr + (g * L + lev) * NF + i, mask=nl, other=float("inf")), 0)
+                nxt_i = tl.min(tl.load(li_ptr + (g * L + lev) * NF + i, mask=nl, other=_INT_MAX), 0)
+            j = _best(cy_ptr, ci_ptr, ((g * L + lstar) * NF + i) * NS, NS, SP)
+            jz = tl.math.div_rn(tl.load(base + tl.minimum(j, V - 1)).to(tl.float32), t)
+            bad = (j == _INT_MAX) | _flag(m == float("-inf"))
+            in_next = _flag(jz > nxt) | (_flag(jz == nxt) & (j < nxt_i))
+            done = bad | (_flag(jz >= thr) & ((~top_p) | in_next))
+            if go:
+                if s == 0:
+                    tl.store(cj_ptr + g * NF + i, j)
+                    tl.store(cz_ptr + g * NF + i, jz)
+                    if done:
+                        tl.store(state_ptr + i, tl.where(bad, -1, j))
+            go = go & (~done)
+        else:
+            j = tl.load(cj_ptr + g * NF + i)
+            jz = tl.load(cz_ptr + g * NF + i)
+        need_mb = MASS & top_p & _flag(jz >= thr)
+        need_f = CAND & top_p
+        run = need_mb  # whether this pass reads the row at all
+        if TOTAL:
+            run = run | top_p
+        if CAND:
+            run = go
+        if go & run:
+            key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
+            # level thresholds of generation g + 1 (level 0: every token before j_g)
+            cl = tl.where(lev == 0, float("-inf"), jz + (m - jz) * (lev.to(tl.float32) * (1.0 / L)))
+            il = tl.where((lev > 0) & _flag(jz == m), (j * (L - lev)) // L, _INT_MAX)
+            if CAND:
+                if s == 0:
+                    tl.store(lv_ptr + ((g + 1) * L + lev) * NF + i, cl)
+                    tl.store(li_ptr + ((g + 1) * L + lev) * NF + i, il)
+            w_acc = tl.zeros([BLOCK], tl.int64)
+            mb_acc = tl.zeros([BLOCK], tl.int64)
+            f_acc = tl.zeros([L, BLOCK], tl.int64)
+            best_y = tl.full([L, BLOCK], float("-inf"), tl.float32)
+            best_i = tl.full([L, BLOCK], _INT_MAX, tl.int32)
+            for start in range(0, CHUNK, BLOCK):
+                cols = s * CHUNK + start + tl.arange(0, BLOCK)
+                inr = cols < V
+                z = tl.math.div_rn(tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32), t)
+                before = inr & ((z > jz) | ((z == jz) & (cols < j)))
+                if TOTAL:  # the row's mass W is needed whatever the candidate
+                    if top_p:
+                        q = _mass(z, m, PRECISE)
+                        w_acc += q
+                        mb_acc += tl.where(before, q, 0)
+                        if CAND:
+                            f_acc += tl.where(before[None, :] & _in_levels(z, cols, cl, il), q[None, :], 0)
+                    if CAND:
+                        best_y, best_i = _level_best(best_y, best_i, before & (z >= thr), z, cols, cl, il, key)
+                elif tl.max(before.to(tl.int32), 0) > 0:
+                    if need_mb | need_f:
+                        q = _mass(z, m, PRECISE)
+                        mb_acc += tl.where(before, q, 0)
+                        if CAND:
+                            f_acc += tl.where(before[None, :] & _in_levels(z, cols, cl, il), q[None, :], 0)
+                    if CAND:
+                        best_y, best_i = _level_best(best_y, best_i, before & (z >= thr), z, cols, cl, il, key)
+            o = i * NS + s
+            if TOTAL:
+                tl.store(pw_ptr + o, tl.sum(w_acc, 0))
+            if MASS:
+                tl.store(pmb_ptr + g * NF * NS + o, tl.sum(mb_acc, 0))
+            if CAND:
+                lo = ((g + 1) * L + lev) * NF * NS + o
+                tl.store(pf_ptr + lo, tl.sum(f_acc, 1))
+                yb = tl.max(best_y, 1)
+                tl.store(cy_ptr + lo, yb)
+                tl.store(ci_ptr + lo, tl.min(tl.where(best_y == yb[:, None], best_i, _INT_MAX), 1))
+
+
 @triton.jit
 def _topk_in_window(z, ids, valid, kk):
     """Mask of the kk best window tokens by (value desc, id asc); 0 < kk < number valid."""
@@ -397,14 +643,26 @@ def _topk_in_window(z, ids, valid, kk):
 
 # The filtered-row count (and, below, the logprobs count) change from step to step: Triton does not
 # specialise on them, so a new value (1, a multiple of 16, anything else) compiles no new variant.
-@triton.jit(do_not_specialize=["NF"])
+@triton.jit(do_not_specialize=["frows_ptr", "prows_ptr", "vrows_ptr", "NF", "NV", "VG"])
 def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, win_ptr, wz_ptr, wid_ptr,
-                    wcnt_ptr, pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, pval_ptr, pidx_ptr, NF, NS, NSP,
+                    wcnt_ptr, pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, pval_ptr, pidx_ptr,
+                    vrows_ptr, vpmax_ptr, vcj_ptr, vcz_ptr, vpw_ptr, vpmb_ptr, vstate_ptr, NF, NV, VG, NS, NSP,
                     WCAP: tl.constexpr, SP: tl.constexpr, SPP: tl.constexpr, PRECISE: tl.constexpr):
-    """One program per row: plain rows reduce their chunk arg-maxes; filtered rows settle exactly."""
+    """One program per row: window rows (the first NF) settle exactly; pivot rows (the next NV) take
+    their state, or settle generation VG's candidate; plain rows reduce their chunk arg-maxes."""
     pid = tl.program_id(0)
-    if pid >= NF:
-        j = pid - NF
+    if (pid >= NF) & (pid < NF + NV):
+        i = pid - NF
+        r = tl.load(vrows_ptr + i)
+        tok = tl.load(vstate_ptr + i)
+        if tok == -2:
+            thr = _row_max(vpmax_ptr, i, NS, SP) + tl.load(fprm_ptr + r * 4 + 2)
+            kept = _pivot_kept(vpw_ptr, vpmb_ptr, i * NS, (VG * NV + i) * NS, NS, tl.load(fprm_ptr + r * 4 + 1),
+                               tl.load(vcz_ptr + VG * NV + i), thr, SP)
+            tok = tl.where(kept, tl.load(vcj_ptr + VG * NV + i), -1)
+        tl.store(out_ptr + r, tok.to(tl.int64))
+    elif pid >= NF:
+        j = pid - NF - NV
         po = tl.arange(0, SPP)
         pv = tl.load(pval_ptr + j * NSP + po, mask=po < NSP, other=float("-inf"))
         pi = tl.load(pidx_ptr + j * NSP + po, mask=po < NSP, other=_INT_MAX)
@@ -533,8 +791,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _carve(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> list[torch.Tensor]:
+    """Uninitialised 1-D buffers of ``sizes`` elements from one allocation, each starting 16 bytes
+    aligned (Triton specialises on pointer alignment: a part whose offset depends on the row count
+    would compile a variant per alignment)."""
+    per = max(1, 16 // dtype.itemsize)
+    padded = [-(-n // per) * per for n in sizes]
+    buf = torch.empty(sum(padded), dtype=dtype, device=dev)
+    return [part[:n] for part, n in zip(buf.split(padded), sizes)]
+
+
 def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_rows: torch.Tensor,
-         filt_rows: torch.Tensor) -> torch.Tensor:
+         filt_rows: torch.Tensor, n_pivot: Optional[int] = None) -> torch.Tensor:
     """Choose one token per row of ``logits`` (see the module docstring and engine/sampler.py).
 
     Args:
@@ -544,9 +812,16 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
         iprm: [>= S, 4] int64 per row: top_k (0 = off, < V), seed, step (output position), 0.
         plain_rows: [P] int32/int64 rows drawn without filters (greedy or plain temperature).
         filt_rows: [F] int32/int64 rows with top-k/top-p/min-p (temperature > 0, top_p > 0).
+        n_pivot: how many rows at the END of ``filt_rows`` have top_k == 0 (top-p and/or min-p
+            only); they take the pivot path (module docstring), the others the window path. None:
+            draw finds them itself, at the cost of one device->host read (the engine passes it).
+            A row with top_k > 0 among the last n_pivot is not mis-drawn: it comes back as -1.
     Returns:
         [S] int64 token ids on the logits' device; -1 where a filtered row needs the exact
         reference; rows in neither list are left uninitialised.
+    Raises:
+        ValueError: logits not contiguous along the vocabulary, n_pivot outside [0, F], or
+            ``CONFIG["pivot_levels"]`` not a power of 2.
     """
     S, V = logits.shape
     if logits.stride(1) != 1:
@@ -560,22 +835,62 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
     precise = dev.type == "cuda" and libdevice is not None and os.environ.get("TRITON_INTERPRET") != "1"
     stride = logits.stride(0)
     out = torch.empty(S, dtype=torch.int64, device=dev)
-    P, F = plain_rows.numel(), filt_rows.numel()
+    P = plain_rows.numel()
+    G = cfg["pivot_rounds"]
+    if G <= 0:  # pivot path off: every filtered row takes the window path
+        n_pivot = 0
+    elif n_pivot is None:
+        k0 = iprm[filt_rows.long(), 0] == 0
+        n_pivot = int(k0.sum())
+        if 0 < n_pivot < filt_rows.numel():
+            filt_rows = torch.cat([filt_rows[~k0], filt_rows[k0]])
+    if not 0 <= n_pivot <= filt_rows.numel():
+        raise ValueError(f"n_pivot must be in [0, {filt_rows.numel()}], got {n_pivot}")
+    F = filt_rows.numel() - n_pivot
+    NV = n_pivot
+    piv_rows, filt_rows = filt_rows[F:], filt_rows[:F]
     f32 = torch.float32
     pval = torch.empty(max(P, 1) * NS, dtype=f32, device=dev)
     pidx = torch.empty(max(P, 1) * NS, dtype=torch.int32, device=dev)
+    one_long = torch.empty(1, dtype=torch.int64, device=dev)
     if P:
         _plain_kernel[(P, NS)](logits, stride, V, plain_rows, fprm, iprm, pval, pidx, NS,
                                CHUNK=chunk, BLOCK=cfg["block"], num_warps=4)
+    if NV:
+        LV = cfg["pivot_levels"]
+        if LV < 1 or LV & (LV - 1):
+            raise ValueError(f"CONFIG['pivot_levels'] must be a power of 2, got {LV}")
+        vpmax, vcy, vlv, vcz = _carve([NV * NS, G * LV * NV * NS, G * LV * NV, G * NV], f32, dev)
+        vci, vli, vcj, vstate = _carve([G * LV * NV * NS, G * LV * NV, G * NV, NV], torch.int32, dev)
+        vpw, vpmb, vpf = _carve([NV * NS, G * NV * NS, G * LV * NV * NS], torch.int64, dev)
+        grid = (NV, NS)
+        mblock = min(cfg["pivot_block"], chunk)  # M passes
+        cblock = min(cfg["pivot_cblock"], chunk)  # passes that find candidates ([levels, block] registers)
+        _pivot_first_kernel[grid](logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vstate, NS,
+                                  CHUNK=chunk, BLOCK=mblock, num_warps=4)
+        fuse = bool(cfg["pivot_fuse"])
+        args = (logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vpf, vlv, vli, vcj, vcz, vpw, vpmb, vstate,
+                NV, NS)
+        for g in range(G):
+            cand = fuse and g < G - 1
+            # M pass of generation g (fused: also settles g - 1 and finds generation g + 1's candidates)
+            _pivot_kernel[grid](*args, g, DECIDE=1 if fuse and g else 0, MASS=True, TOTAL=g == 0, CAND=cand,
+                                L=LV, SP=SP, CHUNK=chunk, BLOCK=cblock if cand else mblock, PRECISE=precise,
+                                num_warps=4)
+            if not fuse and g < G - 1:  # C pass: settle generation g, else find g + 1's candidates
+                _pivot_kernel[grid](*args, g, DECIDE=2, MASS=False, TOTAL=False, CAND=True, L=LV, SP=SP,
+                                    CHUNK=chunk, BLOCK=cblock, PRECISE=precise, num_warps=4)
+    else:  # placeholders of the right dtypes (see below)
+        vpmax = vcz = pval
+        vcj = vstate = pidx
+        vpw = vpmb = one_long
     L = len(STAGE1_DEPTHS)
     if F:
-        ints = torch.empty(F * (4 + 2 * NS * L + 2 * NS + 1), dtype=torch.int32, device=dev)
-        plani, pcnt1, pcnt2, pn, pib, wcnt = ints.split([4 * F, F * NS * L, F * NS * L, F * NS, F * NS, F])
-        flts = torch.empty(F * (8 + L + 2 * NS * L + 2 + 2 * NS), dtype=f32, device=dev)
-        planf, sub, pmass1, pmass2, win, pmax, pyb = flts.split(
-            [8 * F, F * L, F * NS * L, F * NS * L, 2 * F, F * NS, F * NS])
-        longs = torch.empty(2 * F * NS, dtype=torch.int64, device=dev)
-        pmhi, pw = longs.split([F * NS, F * NS])
+        plani, pcnt1, pcnt2, pn, pib, wcnt = _carve([4 * F, F * NS * L, F * NS * L, F * NS, F * NS, F],
+                                                    torch.int32, dev)
+        planf, sub, pmass1, pmass2, win, pmax, pyb = _carve(
+            [8 * F, F * L, F * NS * L, F * NS * L, 2 * F, F * NS, F * NS], f32, dev)
+        pmhi, pw = _carve([F * NS, F * NS], torch.int64, dev)
         wz = torch.empty(F * wcap, dtype=f32, device=dev)
         wid = torch.empty(F * wcap, dtype=torch.int32, device=dev)
         depths = _depths(dev)
@@ -591,15 +906,16 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
                               win, wz, wid, wcnt, pn, pmhi, pw, pyb, pib, NS, wcap, L=L, SP=SP, CHUNK=chunk,
                               BLOCK=min(cfg["collect_block"], chunk), PRECISE=precise, num_warps=4)
     else:
-        # Unused by the launch below (no filtered rows), but the kernel is still compiled for their
+        # Unused by the launch below (no window rows), but the kernel is still compiled for their
         # dtypes: every placeholder must have the dtype of the buffer it stands for.
         wcnt = wid = pn = pib = pidx
         pmax = win = wz = pyb = pval
-        pmhi = pw = torch.empty(1, dtype=torch.int64, device=dev)
-    if P or F:
-        _resolve_kernel[(F + P,)](out, filt_rows, plain_rows, fprm, iprm, pmax, win, wz, wid, wcnt, pn, pmhi,
-                                  pw, pyb, pib, pval, pidx, F, NS, NS, WCAP=wcap, SP=SP, SPP=SP,
-                                  PRECISE=precise, num_warps=16 if wcap >= 4096 else 4)
+        pmhi = pw = one_long
+    if P or F or NV:
+        _resolve_kernel[(F + NV + P,)](out, filt_rows, plain_rows, fprm, iprm, pmax, win, wz, wid, wcnt, pn, pmhi,
+                                       pw, pyb, pib, pval, pidx, piv_rows, vpmax, vcj, vcz, vpw, vpmb, vstate,
+                                       F, NV, max(G - 1, 0), NS, NS, WCAP=wcap, SP=SP, SPP=SP,
+                                       PRECISE=precise, num_warps=16 if wcap >= 4096 else 4)
     return out
 
 

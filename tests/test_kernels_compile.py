@@ -38,6 +38,8 @@ EXPECTED = [
     "sampling._stats_kernel",
     "sampling._collect_kernel",
     "sampling._resolve_kernel",
+    "sampling._pivot_first_kernel",
+    "sampling._pivot_kernel",
     "sampling._logprob_kernel",
     "sampling._penalty_kernel",
 ]

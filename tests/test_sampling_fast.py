@@ -4,7 +4,9 @@ logits, top_p near 0 and 1, top-k + top-p + min-p combinations, greedy and plain
 
 The Triton kernels run on CPU under TRITON_INTERPRET=1 with a small vocabulary, and with shrunken
 chunk/window sizes so that the multi-chunk reductions, the stage-2 refinement and the hand-off to
-the exact path all happen; the GPU tests use serving shapes.
+the exact path all happen; the GPU tests use serving shapes. Rows with top-p/min-p but no top-k
+take the window path by default (``pivot_rounds`` 0) and the pivot path when it is turned on
+(tests/test_sampling_pivot.py; off by default, see kernels/sampling.py).
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ def _batch(seed: int, S: int, V: int, step: int = 0):
     return logits, rows
 
 
-def _kernel_draw(logits, rows, **config):
-    """Raw output of kvpilot.kernels.sampling.draw (-1 = handed to the exact path)."""
+def _kernel_draw(logits, rows, n_pivot="engine", **config):
+    """Raw output of kvpilot.kernels.sampling.draw (-1 = handed to the exact path), the rows laid out
+    as the engine's sampler sends them (``n_pivot="engine"``: its count of pivot rows), or with
+    any other ``n_pivot`` (None: draw finds them), under ``CONFIG`` overrides ``config``."""
     from kvpilot.kernels import sampling as ks
 
     saved = dict(ks.CONFIG)
@@ -51,7 +55,8 @@ def _kernel_draw(logits, rows, **config):
         d = _Draw(rows, logits.shape[1])
         fprm, iprm, order = d.tensors(logits.device)
         n = len(d.plain) + len(d.greedy)
-        return ks.draw(logits, fprm, iprm, order[:n], order[n:]).tolist()
+        return ks.draw(logits, fprm, iprm, order[:n], order[n:],
+                       n_pivot=d.n_pivot if n_pivot == "engine" else n_pivot).tolist()
     finally:
         ks.CONFIG.clear()
         ks.CONFIG.update(saved)
@@ -135,6 +140,7 @@ interpret_only = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kerne
     (1, {"chunk": 1024, "block": 256}),       # several chunks per row (partial reductions)
     (2, {"chunk": 1024, "block": 256, "wcap": 128}),  # crowded windows: stage 2, hand-offs
     (3, {"chunk": 512, "block": 256, "collect_block": 128, "stats_block": 64}),  # many blocks per chunk
+    (4, {"chunk": 512, "block": 256, "pivot_rounds": 0}),  # every filtered row through the window path
 ])
 def test_triton_kernels_equal_exact(seed, config):
     logits, rows = _batch(seed, 12, 1500, step=seed)
@@ -150,10 +156,12 @@ def test_triton_kernels_equal_exact(seed, config):
 
 @interpret_only
 def test_triton_filter_kinds_settle_every_row_exactly():
-    """Each filter kind takes its own branches: top-p alone sums the whole row's mass, the others
-    only blocks above the window (most blocks hold none at collect_block 64); top-k cut inside a
-    group of tied values searches token ids, without ties it skips that search; min-p alone skips
-    the stage-1 masses. Every row must settle (no hand-off) on the reference's token."""
+    """Each filter kind takes its own branches: in the window path (second config, pivot path
+    off) top-p alone sums the whole row's mass, the others only blocks above the window (most
+    blocks hold none at collect_block 64); top-k cut inside a group of tied values searches token
+    ids, without ties it skips that search; min-p alone skips the stage-1 masses. With the
+    pivot path on (first config), rows without top-k take it. Every row must settle (no hand-off) on
+    the reference's token."""
     g = torch.Generator().manual_seed(13)
     V = 1500
     logits = torch.randn(16, V, generator=g) * 3
@@ -167,7 +175,7 @@ def test_triton_filter_kinds_settle_every_row_exactly():
     assert any(int((logits[i] >= logits[i].topk(k).values[-1]).sum()) > k
                for i, (_, k, _, _) in enumerate(settings) if 8 <= i < 12 and k)  # a cut inside ties
     want = Sampler("exact").choose(logits, rows)
-    for config in ({}, {"chunk": 256, "block": 256, "collect_block": 64, "stats_block": 64}):
+    for config in ({"pivot_rounds": 4}, {"chunk": 256, "block": 256, "collect_block": 64, "stats_block": 64}):
         assert _kernel_draw(logits, rows, **config) == want
 
 
@@ -194,12 +202,12 @@ def test_topk_in_window_equals_a_stable_sort(grid):
 @interpret_only
 def test_triton_stage2_refines_flat_rows():
     """Nearly uniform rows put hundreds of tokens in each stage-1 bracket; with a 64-token window
-    only stage 2 can settle them, which it must do exactly."""
+    only stage 2 can settle them, which it must do exactly (window path for every row)."""
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, 1024, generator=g) * 0.3
     rows = [SamplingRow(temperature=1.0, top_p=p, top_k=k, seed=i, step=2)
             for i, (p, k) in enumerate([(0.9, 0), (0.5, 0), (0.99, 0), (0.95, 0), (1.0, 200), (0.7, 0)])]
-    got = _kernel_draw(logits, rows, chunk=256, block=256, stats_block=64, wcap=64)
+    got = _kernel_draw(logits, rows, chunk=256, block=256, stats_block=64, wcap=64, pivot_rounds=0)
     assert got == Sampler("exact").choose(logits, rows)
 
 
@@ -276,3 +284,30 @@ def test_gpu_random_rows_equal_exact():
         logits, rows = _batch(seed, 64, 32000, step=seed)
         logits = logits.cuda()
         assert Sampler("triton").choose(logits, rows) == Sampler("exact").choose(logits, rows)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 1.3, 4.0])
+def test_gpu_pivot_path_equals_exact_at_serving_shape(scale):
+    """Rows with top-p and/or min-p but no top-k (the pivot path) at 256 x 128,256 on flat,
+    Llama-like and peaked logits: every token the kernels settle equals the exact reference's with
+    the pivot path on (4 generations), the fused schedule, a cap of 2 generations, and off (the
+    default: window path); with 4 generations hardly any row is left to the exact path."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = torch.randn(256, 128256, device="cuda", generator=g) * scale
+    settings = [(0.8, 0.9, 0.0), (1.0, 0.95, 0.0), (0.7, 0.5, 0.0), (1.0, 0.1, 0.0), (0.6, 0.01, 0.0),
+                (1.0, 0.999, 0.0), (1.2, 1.0, 0.1), (0.8, 0.9, 0.05), (1.0, 0.3, 0.02), (1.5, 0.8, 0.0),
+                (0.8, 0.99, 0.0)]
+    configs = {"pivot": {"pivot_rounds": 4}, "fused": {"pivot_rounds": 4, "pivot_fuse": 1},
+               "cap 2": {"pivot_rounds": 2}, "window (default)": {}}
+    handed = dict.fromkeys(configs, 0)
+    for step in range(2):
+        rows = [SamplingRow(temperature=t, top_p=p, min_p=m, seed=i, step=step)
+                for i, (t, p, m) in ((i, settings[i % len(settings)]) for i in range(256))]
+        want = Sampler("exact").choose(logits, rows)
+        for name, config in configs.items():
+            got = _kernel_draw(logits, rows, **config)
+            assert [t for t in got if t >= 0] == [w for t, w in zip(got, want) if t >= 0], name
+            handed[name] += sum(t < 0 for t in got)
+    assert handed["pivot"] <= 3 and handed["fused"] <= 3, handed  # of 512 rows

@@ -452,7 +452,9 @@ def _draw_inputs(kinds: str):
     return fprm, iprm, order[: len(plain)], order[len(plain):]
 
 
-def _sampling_draw(kinds: str):
+def _sampling_draw(kinds: str, config: dict | None = None):
+    """``sampling.draw`` on rows of ``kinds``, under ``sampling.CONFIG`` overrides ``config`` (the
+    pivot path is off by default, so its kernels compile only in a case that turns it on)."""
     def case():
         from kvpilot.kernels import sampling
 
@@ -461,7 +463,17 @@ def _sampling_draw(kinds: str):
                                                           any(c in "kpma" for c in kinds)):
             raise AssertionError(f"rows {kinds!r} split into {plain.numel()} plain and {filtered.numel()} filtered")
         logits = torch.empty(len(kinds), VOCAB, dtype=torch.float32)  # compute_logits: fp32
-        sampling.draw(logits, fprm, iprm, plain, filtered)
+        saved = dict(sampling.CONFIG)
+        sampling.CONFIG.update(config or {})
+        try:
+            # Top-k rows first, then the top-p/min-p-only ones: the engine's order (`_Draw`).
+            k = [int(r) for r in filtered if int(iprm[int(r), 0]) > 0]
+            rest = [int(r) for r in filtered if int(iprm[int(r), 0]) == 0]
+            filtered = torch.tensor(k + rest, dtype=torch.int64)
+            sampling.draw(logits, fprm, iprm, plain, filtered, n_pivot=len(rest))
+        finally:
+            sampling.CONFIG.clear()
+            sampling.CONFIG.update(saved)
 
     return case
 
@@ -523,6 +535,9 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     for kinds in ("g", "gttg", "k", "kpma", "gtkpma"):
         out.append((f"sampling draw rows={kinds}", _sampling_draw(kinds)))
+    for fuse in (0, 1):  # the pivot path (off by default): separate and fused candidate passes
+        out.append((f"sampling draw rows=gkpm pivot fuse={fuse}",
+                    _sampling_draw("gkpm", {"pivot_rounds": 4, "pivot_fuse": fuse})))
     for n in (0, 1, 5, 32):
         out.append((f"sampling raw_logprobs n={n}", _sampling_logprobs(3, n)))
     for rep_on, freq_on in ((True, True), (True, False), (False, True)):

@@ -60,9 +60,11 @@ feature is switched off, with an executor without ``supports_async_scheduling`` 
 parallel `MultiprocExecutor`), and with a sampler without ``launch`` or whose call lacks ``tokens``
 or ``detach`` (`_overlap_ok`). An abort of a
 request in the in-flight step, `fail_all` and shutdown read that step first, so they see the
-synchronous engine's state. A sampler error in ``finish`` of an in-flight step fails the step
-(its logits may be overwritten, so rows cannot be sampled apart; row errors come from ``launch``,
-which still isolates them). Stats report each token in the step that read it.
+synchronous engine's state (if an abort's read fails, everything in flight fails as after a failed
+step, and the engine keeps serving; the tokens they read are counted in the next stats). A sampler
+error in ``finish`` of an in-flight step fails the step (its logits may be overwritten, so rows
+cannot be sampled apart; row errors come from ``launch``, which still isolates them). Stats report
+each token in the step that read it.
 """
 
 from __future__ import annotations
@@ -168,6 +170,8 @@ class EngineCore:
         self.async_scheduling = async_scheduling
         self.num_overlapped_steps = 0
         self._inflight: Optional[_InFlight] = None  # the step whose tokens are still on the device
+        # Tokens read from the in-flight step outside `step` (an abort, `fail_all`): the next stats count them.
+        self._late_generated = 0
         self.tokenizer = tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
@@ -218,7 +222,12 @@ class EngineCore:
         inflight = self._inflight
         if inflight is not None and any(s.request.request_id == request_id for s in inflight.seqs):
             # The synchronous engine would have read that step already: so does the abort.
-            self._resolve_inflight()
+            try:
+                self._late_generated += self._resolve_inflight()[0]
+            except Exception as e:  # noqa: BLE001 - as a failed step: fail what is in flight, keep serving
+                logger.exception("reading the in-flight step for the abort of request %d failed", request_id)
+                self.fail_all(e)
+                return
         # The request's last token first gets its output work, so that the abort sees (and returns)
         # exactly the state the synchronous engine would have; if that work finished the request,
         # the abort comes too late and does nothing.
@@ -253,7 +262,7 @@ class EngineCore:
         """
         if self._inflight is not None:
             try:
-                self._resolve_inflight()
+                self._late_generated += self._resolve_inflight()[0]
             except Exception:
                 logger.exception("dropping the in-flight step's tokens")
         pending = self._take_pending()
@@ -772,6 +781,7 @@ class EngineCore:
         finished, self._pending_finished = self._pending_finished, []
         ttft, self._ttft = self._ttft, []
         itl, self._itl = self._itl, []
+        num_generated, self._late_generated = num_generated + self._late_generated, 0
         gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
         return IterationStats(
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_profile import build_runner, copy_bandwidth, decode_seqs, kernel_table, step_ms  # noqa: E402
 
 
-def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_bound: int, small_cases: bool = True) -> None:
+def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_bound: int, small_cases: bool = True,
+                       sweep: str = "launch") -> None:
     import triton
 
     from kvpilot.kernels import attention
@@ -53,6 +54,13 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
     large = [dict(block_n=bn, batch_num_warps=w, **{stages_key: s, reg_key: r})
              for (bn, w, s), r in itertools.product(
                  ((64, 2, 2), (64, 2, 1), (32, 2, 2), (64, 4, 1)), (None, 168, 128, 96))]
+    if sweep == "wide":  # more warps and wider key tiles (more loads in flight per program)
+        large = [dict(block_n=bn, batch_num_warps=w, **{stages_key: s, reg_key: r})
+                 for (bn, w, s), r in itertools.product(
+                     ((64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (64, 8, 2), (128, 2, 2)),
+                     (None, 168, 128))]
+        # and the running output rescaled only in tiles where a row's max moved
+        large = [dict(lazy_rescale=True)] + large + [dict(v, lazy_rescale=True) for v in large[::3]]
     print(f"\n| attention alone ({runner.kv_dtype}): batch | context | bound | variant | us | % of copy bandwidth |")
     print("|---:|---:|---:|---|---:|---:|")
     for b, c, bound in cases:
@@ -142,6 +150,8 @@ def main() -> None:
     ap.add_argument("--no-attention-sweep", action="store_true")
     ap.add_argument("--no-small-sweep", action="store_true", help="sweep only the large batches")
     ap.add_argument("--no-step", action="store_true", help="skip the step timing, kernel table and mixed step")
+    ap.add_argument("--sweep", choices=["launch", "wide"], default="launch",
+                    help="large-batch variants: around the current launch, or more warps and wider key tiles")
     args = ap.parse_args()
 
     bw = copy_bandwidth()
@@ -171,7 +181,8 @@ def main() -> None:
             kernel_table(runner, seqs, f"[{kv_dtype}] graph replay, batch {args.batches[0]}, context {args.context}")
             mixed_attention(runner, 384, args.context, 8, 960)
         if not args.no_attention_sweep:
-            attention_variants(runner, bw, args.batches, args.context, args.max_seq_len, not args.no_small_sweep)
+            attention_variants(runner, bw, args.batches, args.context, args.max_seq_len, not args.no_small_sweep,
+                               args.sweep)
         del runner, seqs
         gc.collect()
         torch.cuda.empty_cache()

@@ -321,14 +321,21 @@ def sampler_cost(llm, log, prompts_, batch: int) -> None:
     not). Medians of the full-batch decode steps, split as in `anatomy`."""
     from kvpilot import SamplingParams
 
+    from kvpilot.kernels import sampling as ksampling
+
     cases = [("greedy", dict(temperature=0.0)), ("temperature 1.0", dict(temperature=1.0)),
              ("top_k 50", dict(temperature=1.0, top_k=50)), ("top_p 0.9", dict(temperature=1.0, top_p=0.9)),
+             ("min_p 0.05", dict(temperature=1.0, min_p=0.05)),
              ("top_k 50 + top_p 0.9 + min_p 0.05", dict(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05))]
+    if ksampling.CONFIG["pivot_rounds"] > 0:  # A/B: top-p rows through the window path instead
+        cases.append(("top_p 0.9, window path (pivot_rounds=0)", dict(temperature=1.0, top_p=0.9)))
     print(f"\nsampler cost in the engine: {batch} x (1024 in + 256 out), decode-only steps (medians)")
     print("| sampling | steps | step ms | vs greedy | forward GPU ms | sampler kernels ms | host while GPU idles ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     base = None
+    default_rounds = ksampling.CONFIG["pivot_rounds"]
     for name, kw in cases:
+        ksampling.CONFIG["pivot_rounds"] = 0 if "pivot_rounds=0" in name else default_rounds
         params = SamplingParams(max_tokens=256, ignore_eos=True, detokenize=False, seed=1, **kw)
         # Warm-up with the same parameters: the sampler's kernels compile on their first call, and
         # a compile inside the measured steps would count as sampling time.
@@ -349,6 +356,7 @@ def sampler_cost(llm, log, prompts_, batch: int) -> None:
         base = a["wall"] if base is None else base
         print(f"| {name} | {a['steps']} | {a['wall']:.2f} | {100 * (a['wall'] - base) / base:+.1f}% | {a['gpu']:.2f} | "
               f"{a['sampler']:.3f} | {a['idle']:.3f} |", flush=True)
+    ksampling.CONFIG["pivot_rounds"] = default_rounds
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
 - Greedy rows and rows without top-k/top-p/min-p: ``_plain_kernel``, one pass, arg-max of
   ``logits`` or of ``logits / T + G`` per chunk; ``_resolve_kernel`` reduces the chunks.
 - Rows filtered by top-p and/or min-p alone (no top-k; ``draw``'s ``n_pivot`` rows) take, when
-  ``CONFIG["pivot_rounds"]`` > 0 (off by default: an unexplained illegal memory access, see CONFIG),
-  the pivot path, which never locates the kept prefix's end. The kept set K is a prefix of the order (value
+  ``CONFIG["pivot_rounds"]`` > 0 (the default), the pivot path, which never locates the kept
+  prefix's end. The kept set K is a prefix of the order (value
   desc, then id), so if j is the Gumbel-max token (arg-max of ``z + G``, ties -> lowest id) over
   any superset of K, either j is in K, and then it is the reference's token, or every token of K
   is ordered before j, and the draw continues among those. ``_pivot_first_kernel`` (pass 1): the
@@ -30,7 +30,10 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
   ``CONFIG["pivot_fuse"]`` finds the next candidates in the M pass instead (settled at the start
   of the next M pass; no C passes): fewer launches, noise made in every row. After
   ``CONFIG["pivot_rounds"]`` generations a row still unsettled gets -1; ``_resolve_kernel``
-  settles the last generation.
+  settles the last generation. A row's state (-2 in progress, -1 handed to the exact path, else
+  its token) lives in one row of a ``[launches + 1, rows]`` buffer per launch: launch k reads row
+  k and its programs 0 write row k + 1, so no program reads a state that another one of the same
+  launch is writing (see ``_pivot_kernel``).
 - Other filtered rows (top-k, with or without top-p/min-p; every filtered row when
   ``pivot_rounds`` is 0) take the window path: they find where their kept prefix (in order of
   value, then token id) ends without sorting. ``_max_kernel``: the row max ``m``.
@@ -88,12 +91,9 @@ CONFIG = {
     "collect_block": 512,  # columns per loop step of the collect pass (< 4096; fewer registers)
     "stats_block": 256,  # columns per loop step of the stats pass (x 16 levels of accumulators)
     "wcap": 8192,  # tokens a window may hold (per row); more -> stage 2, then the exact path
-    # Candidate generations of the pivot path (then -1: exact path); 0 = path off. Off by default:
-    # on an H200 `benchmarks/sampler_bench.py --kinds top_p,top_p_low --variants "...;pivot_block=512;..."`
-    # hit an illegal memory access in `_pivot_kernel` (compute-sanitizer: the load in `_best`), not
-    # reproduced on the CPU with every load and store bounds-checked, nor with poisoned scratch on the
-    # GPU (BENCHMARKS.md, fifth session). With 4 it took top-p 0.9 from 927 to 409 us at 256 x 128k.
-    "pivot_rounds": 0,
+    # Candidate generations of the pivot path (then -1: exact path); 0 = path off (top-p/min-p rows
+    # take the window path). With 4, top-p 0.9 took 409 instead of 927 us at 256 x 128k (H200).
+    "pivot_rounds": 4,
     "pivot_fuse": 0,  # 1: each M pass also finds the next candidate (no C passes)
     "pivot_block": 1024,  # columns per loop step of pass 1 and the M passes of the pivot path
     "pivot_cblock": 64,  # columns per loop step of its passes that find candidates (x levels)
@@ -411,6 +411,21 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
 
 # ---- the pivot path: rows filtered by top-p and/or min-p only ----------------------------------
 @triton.jit
+def _checked(rec_ptr, code, x, hi, a, b, c):
+    """Debug mode (KVPILOT_SAMPLING_CHECK=1): x clamped into [0, hi); an x outside is recorded at
+    rec_ptr as (code, x, hi, a, b, c) for `draw` to raise on."""
+    bad = (x < 0) | (x >= hi)
+    if bad:
+        tl.store(rec_ptr, code)
+        tl.store(rec_ptr + 1, x)
+        tl.store(rec_ptr + 2, hi)
+        tl.store(rec_ptr + 3, a)
+        tl.store(rec_ptr + 4, b)
+        tl.store(rec_ptr + 5, c)
+    return tl.where(bad, 0, x)
+
+
+@triton.jit
 def _best(cy_ptr, ci_ptr, off, NS, SP: tl.constexpr):
     """The id of the best of NS partial (y, id) pairs at ``off``: largest y, ties -> lowest id."""
     so = tl.arange(0, SP)
@@ -433,13 +448,15 @@ def _pivot_kept(pw_ptr, pmb_ptr, ow, omb, NS, p, zj, thr, SP: tl.constexpr):
 # once per program, they are not specialised on (no variant compiled per alignment).
 @triton.jit(do_not_specialize=["rows_ptr"])
 def _pivot_first_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, state_ptr, NS,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                        dbg_ptr, S, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
     """Pivot pass 1, per chunk: max of z = div_rn(x, T), and the best (z + G, id) among the tokens
     with z >= (their lane's running max of z) + log(min_p), a superset of the row's min-p set.
     Program 0 of a row sets its state: -2 (in progress), or -1 for a row with top-k (not ours)."""
     i = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.load(rows_ptr + i)
+    if CHECK:
+        r = _checked(dbg_ptr + (i * NS + s) * 8, 1, r, S, 0, r, 0)
     t = tl.load(fprm_ptr + r * 4)
     lmp = tl.load(fprm_ptr + r * 4 + 2)
     key = _row_key(tl.load(iprm_ptr + r * 4 + 1), tl.load(iprm_ptr + r * 4 + 2))
@@ -484,12 +501,27 @@ def _level_best(best_y, best_i, c, z, cols, cl, il, key):
     return best_y, best_i
 
 
-@triton.jit(do_not_specialize=["rows_ptr", "NF", "g"])
+@triton.jit
+def _cand_update(best_y, best_i, b1_y, b1_i, top_p, c, z, cols, cl, il, key):
+    """The candidate search of one block: per level ([L, BLOCK] bests) for a top-p row; for a
+    min-p-only row ([BLOCK] bests) only level 0, the one its M passes read (every token that passes
+    min-p is kept, so the best of them is the row's token)."""
+    if top_p:
+        best_y, best_i = _level_best(best_y, best_i, c, z, cols, cl, il, key)
+    elif tl.max(c.to(tl.int32), 0) > 0:
+        y = z + _gumbel(key, cols)
+        upd = c & ((y > b1_y) | ((y == b1_y) & (cols < b1_i)))
+        b1_y = tl.where(upd, y, b1_y)
+        b1_i = tl.where(upd, cols, b1_i)
+    return best_y, best_i, b1_y, b1_i
+
+
+@triton.jit(do_not_specialize=["rows_ptr", "NF", "g", "k"])
 def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, pf_ptr, lv_ptr,
-                  li_ptr, cj_ptr, cz_ptr, pw_ptr, pmb_ptr, state_ptr, NF, NS, g,
+                  li_ptr, cj_ptr, cz_ptr, pw_ptr, pmb_ptr, state_ptr, NF, NS, dbg_ptr, S, NC, g, k,
                   DECIDE: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr, CAND: tl.constexpr,
                   L: tl.constexpr, SP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                  PRECISE: tl.constexpr):
+                  PRECISE: tl.constexpr, CHECK: tl.constexpr):
     """One pass of pivot generation g over the chunks of the rows still in progress (state -2).
 
     Partials are laid out [generation, level, row, chunk]; generation g's candidates come from
@@ -499,7 +531,8 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
     lies inside the tied maxima), c_l = m with ids below i_l = j * (L - l) / L.
 
     DECIDE 1 / 2: first settle the candidate of generation g - 1 / g from its stored id (cj), value
-    (cz) and mass partials; a kept one is the row's token (program 0 stores it in the state).
+    (cz) and mass partials; a kept one is the row's token (its new state, which program 0 stores
+    in row k + 1 of the states; launch k reads row k).
     MASS ("M pass"): picks the tightest P_l whose exact mass reaches top_p * W (it holds every
     kept token: those below it have at least that mass before them), its best token is j_g;
     j_g is accepted at once when it also lies in P_{l+1} (mass < top_p * W: all kept) or when no
@@ -511,7 +544,16 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
     i = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.load(rows_ptr + i)
-    go = tl.load(state_ptr + i) == -2
+    if CHECK:
+        r = _checked(dbg_ptr + (i * NS + s) * 8, 2, r, S, g, r, 0)
+    # Launch k reads the states launch k - 1 left (row k of state_ptr, [launches + 1, NF]) and
+    # program 0 of each row writes row k + 1. Never one row for both: a program that read a state
+    # program 0 was storing in the same launch could see the old value in some warps and the new in
+    # others, and warps that disagree on `go` fall out of step in the cross-warp reductions below
+    # (on an H200 that gave a level index of 7169 and a load 3.5 GB off; BENCHMARKS.md).
+    st = tl.load(state_ptr + k * NF + i)
+    new_st = st
+    go = st == -2
     if go:
         t = tl.load(fprm_ptr + r * 4)
         p = tl.load(fprm_ptr + r * 4 + 1)
@@ -528,8 +570,7 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
             kept = _pivot_kept(pw_ptr, pmb_ptr, i * NS, (d * NF + i) * NS, NS, p, tl.load(cz_ptr + d * NF + i),
                                thr, SP)
             if kept:
-                if s == 0:
-                    tl.store(state_ptr + i, tl.load(cj_ptr + d * NF + i))
+                new_st = tl.load(cj_ptr + d * NF + i)
             go = go & (~kept)
         if MASS:
             lstar = tl.full((), 0, tl.int32)
@@ -545,8 +586,15 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
                 nl = lev == lstar + 1
                 nxt = tl.min(tl.load(lv_ptr + (g * L + lev) * NF + i, mask=nl, other=float("inf")), 0)
                 nxt_i = tl.min(tl.load(li_ptr + (g * L + lev) * NF + i, mask=nl, other=_INT_MAX), 0)
-            j = _best(cy_ptr, ci_ptr, ((g * L + lstar) * NF + i) * NS, NS, SP)
-            jz = tl.math.div_rn(tl.load(base + tl.minimum(j, V - 1)).to(tl.float32), t)
+            cbo = ((g * L + lstar) * NF + i) * NS
+            if CHECK:
+                lstar = _checked(dbg_ptr + (i * NS + s) * 8, 3, lstar, L, g, r, cbo)
+                cbo = _checked(dbg_ptr + (i * NS + s) * 8, 4, cbo, NC - NS + 1, g, r, lstar)
+            j = _best(cy_ptr, ci_ptr, cbo, NS, SP)
+            jl = tl.minimum(j, V - 1)
+            if CHECK:
+                jl = _checked(dbg_ptr + (i * NS + s) * 8, 5, jl, V, g, r, cbo)
+            jz = tl.math.div_rn(tl.load(base + jl).to(tl.float32), t)
             bad = (j == _INT_MAX) | _flag(m == float("-inf"))
             in_next = _flag(jz > nxt) | (_flag(jz == nxt) & (j < nxt_i))
             done = bad | (_flag(jz >= thr) & ((~top_p) | in_next))
@@ -554,8 +602,8 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
                 if s == 0:
                     tl.store(cj_ptr + g * NF + i, j)
                     tl.store(cz_ptr + g * NF + i, jz)
-                    if done:
-                        tl.store(state_ptr + i, tl.where(bad, -1, j))
+                if done:
+                    new_st = tl.where(bad, -1, j)
             go = go & (~done)
         else:
             j = tl.load(cj_ptr + g * NF + i)
@@ -581,6 +629,8 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
             f_acc = tl.zeros([L, BLOCK], tl.int64)
             best_y = tl.full([L, BLOCK], float("-inf"), tl.float32)
             best_i = tl.full([L, BLOCK], _INT_MAX, tl.int32)
+            b1_y = tl.full([BLOCK], float("-inf"), tl.float32)
+            b1_i = tl.full([BLOCK], _INT_MAX, tl.int32)
             for start in range(0, CHUNK, BLOCK):
                 cols = s * CHUNK + start + tl.arange(0, BLOCK)
                 inr = cols < V
@@ -594,7 +644,8 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
                         if CAND:
                             f_acc += tl.where(before[None, :] & _in_levels(z, cols, cl, il), q[None, :], 0)
                     if CAND:
-                        best_y, best_i = _level_best(best_y, best_i, before & (z >= thr), z, cols, cl, il, key)
+                        best_y, best_i, b1_y, b1_i = _cand_update(best_y, best_i, b1_y, b1_i, top_p,
+                                                                  before & (z >= thr), z, cols, cl, il, key)
                 elif tl.max(before.to(tl.int32), 0) > 0:
                     if need_mb | need_f:
                         q = _mass(z, m, PRECISE)
@@ -602,7 +653,8 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
                         if CAND:
                             f_acc += tl.where(before[None, :] & _in_levels(z, cols, cl, il), q[None, :], 0)
                     if CAND:
-                        best_y, best_i = _level_best(best_y, best_i, before & (z >= thr), z, cols, cl, il, key)
+                        best_y, best_i, b1_y, b1_i = _cand_update(best_y, best_i, b1_y, b1_i, top_p,
+                                                                  before & (z >= thr), z, cols, cl, il, key)
             o = i * NS + s
             if TOTAL:
                 tl.store(pw_ptr + o, tl.sum(w_acc, 0))
@@ -611,9 +663,17 @@ def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_p
             if CAND:
                 lo = ((g + 1) * L + lev) * NF * NS + o
                 tl.store(pf_ptr + lo, tl.sum(f_acc, 1))
-                yb = tl.max(best_y, 1)
+                if top_p:
+                    yb = tl.max(best_y, 1)
+                    ib = tl.min(tl.where(best_y == yb[:, None], best_i, _INT_MAX), 1)
+                else:  # level 0's best in every level (only level 0 is read)
+                    y1 = tl.max(b1_y, 0)
+                    yb = tl.zeros([L], tl.float32) + y1
+                    ib = tl.zeros([L], tl.int32) + tl.min(tl.where(b1_y == y1, b1_i, _INT_MAX), 0)
                 tl.store(cy_ptr + lo, yb)
-                tl.store(ci_ptr + lo, tl.min(tl.where(best_y == yb[:, None], best_i, _INT_MAX), 1))
+                tl.store(ci_ptr + lo, ib)
+    if s == 0:
+        tl.store(state_ptr + (k + 1) * NF + i, new_st)
 
 
 @triton.jit
@@ -643,7 +703,7 @@ def _topk_in_window(z, ids, valid, kk):
 
 # The filtered-row count (and, below, the logprobs count) change from step to step: Triton does not
 # specialise on them, so a new value (1, a multiple of 16, anything else) compiles no new variant.
-@triton.jit(do_not_specialize=["frows_ptr", "prows_ptr", "vrows_ptr", "NF", "NV", "VG"])
+@triton.jit(do_not_specialize=["frows_ptr", "prows_ptr", "vrows_ptr", "vstate_ptr", "NF", "NV", "VG"])
 def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, win_ptr, wz_ptr, wid_ptr,
                     wcnt_ptr, pn_ptr, pmhi_ptr, pw_ptr, pyb_ptr, pib_ptr, pval_ptr, pidx_ptr,
                     vrows_ptr, vpmax_ptr, vcj_ptr, vcz_ptr, vpw_ptr, vpmb_ptr, vstate_ptr, NF, NV, VG, NS, NSP,
@@ -861,25 +921,40 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
         if LV < 1 or LV & (LV - 1):
             raise ValueError(f"CONFIG['pivot_levels'] must be a power of 2, got {LV}")
         vpmax, vcy, vlv, vcz = _carve([NV * NS, G * LV * NV * NS, G * LV * NV, G * NV], f32, dev)
-        vci, vli, vcj, vstate = _carve([G * LV * NV * NS, G * LV * NV, G * NV, NV], torch.int32, dev)
+        fuse = bool(cfg["pivot_fuse"])
+        launches = G if fuse else 2 * G - 1  # of _pivot_kernel; each writes its own row of states
+        vci, vli, vcj, vstates = _carve([G * LV * NV * NS, G * LV * NV, G * NV, (launches + 1) * NV], torch.int32,
+                                        dev)
         vpw, vpmb, vpf = _carve([NV * NS, G * NV * NS, G * LV * NV * NS], torch.int64, dev)
         grid = (NV, NS)
         mblock = min(cfg["pivot_block"], chunk)  # M passes
         cblock = min(cfg["pivot_cblock"], chunk)  # passes that find candidates ([levels, block] registers)
-        _pivot_first_kernel[grid](logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vstate, NS,
-                                  CHUNK=chunk, BLOCK=mblock, num_warps=4)
-        fuse = bool(cfg["pivot_fuse"])
-        args = (logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vpf, vlv, vli, vcj, vcz, vpw, vpmb, vstate,
-                NV, NS)
+        check = os.environ.get("KVPILOT_SAMPLING_CHECK") == "1"
+        dbg = torch.zeros(NV * NS * 8 if check else 1, dtype=torch.int32, device=dev)
+        _pivot_first_kernel[grid](logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vstates, NS, dbg, S,
+                                  CHUNK=chunk, BLOCK=mblock, CHECK=check, num_warps=4)
+        args = (logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vpf, vlv, vli, vcj, vcz, vpw, vpmb, vstates,
+                NV, NS, dbg, S, vcy.numel())
+        k = 0
         for g in range(G):
             cand = fuse and g < G - 1
             # M pass of generation g (fused: also settles g - 1 and finds generation g + 1's candidates)
-            _pivot_kernel[grid](*args, g, DECIDE=1 if fuse and g else 0, MASS=True, TOTAL=g == 0, CAND=cand,
+            _pivot_kernel[grid](*args, g, k, DECIDE=1 if fuse and g else 0, MASS=True, TOTAL=g == 0, CAND=cand,
                                 L=LV, SP=SP, CHUNK=chunk, BLOCK=cblock if cand else mblock, PRECISE=precise,
-                                num_warps=4)
+                                CHECK=check, num_warps=4)
+            k += 1
             if not fuse and g < G - 1:  # C pass: settle generation g, else find g + 1's candidates
-                _pivot_kernel[grid](*args, g, DECIDE=2, MASS=False, TOTAL=False, CAND=True, L=LV, SP=SP,
-                                    CHUNK=chunk, BLOCK=cblock, PRECISE=precise, num_warps=4)
+                _pivot_kernel[grid](*args, g, k, DECIDE=2, MASS=False, TOTAL=False, CAND=True, L=LV, SP=SP,
+                                    CHUNK=chunk, BLOCK=cblock, PRECISE=precise, CHECK=check, num_warps=4)
+                k += 1
+        assert k == launches
+        vstate = vstates[launches * NV:]
+        if check:
+            rec = dbg.view(-1, 8)
+            rec = rec[rec[:, 0] != 0].tolist()
+            if rec:
+                raise RuntimeError(f"pivot path read outside its buffers: {len(rec)} records "
+                                   f"(code, value, bound, g, row, extra), first {rec[:8]}")
     else:  # placeholders of the right dtypes (see below)
         vpmax = vcz = pval
         vcj = vstate = pidx

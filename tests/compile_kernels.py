@@ -453,8 +453,8 @@ def _draw_inputs(kinds: str):
 
 
 def _sampling_draw(kinds: str, config: dict | None = None):
-    """``sampling.draw`` on rows of ``kinds``, under ``sampling.CONFIG`` overrides ``config`` (the
-    pivot path is off by default, so its kernels compile only in a case that turns it on)."""
+    """``sampling.draw`` on rows of ``kinds``, under ``sampling.CONFIG`` overrides ``config`` (e.g.
+    the fused pivot passes, or the pivot path off: top-p/min-p rows through the window path)."""
     def case():
         from kvpilot.kernels import sampling
 
@@ -535,9 +535,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     for kinds in ("g", "gttg", "k", "kpma", "gtkpma"):
         out.append((f"sampling draw rows={kinds}", _sampling_draw(kinds)))
-    for fuse in (0, 1):  # the pivot path (off by default): separate and fused candidate passes
-        out.append((f"sampling draw rows=gkpm pivot fuse={fuse}",
-                    _sampling_draw("gkpm", {"pivot_rounds": 4, "pivot_fuse": fuse})))
+    out.append(("sampling draw rows=gkpm pivot fused", _sampling_draw("gkpm", {"pivot_fuse": 1})))
+    out.append(("sampling draw rows=gkpm pivot off", _sampling_draw("gkpm", {"pivot_rounds": 0})))
     for n in (0, 1, 5, 32):
         out.append((f"sampling raw_logprobs n={n}", _sampling_logprobs(3, n)))
     for rep_on, freq_on in ((True, True), (True, False), (False, True)):

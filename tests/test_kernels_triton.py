@@ -355,3 +355,35 @@ def test_decode_split_heuristic_matches_h200_tuning(monkeypatch):
     expected = {(64, 4096): 1, (256, 1024): 1, (8, 32768): 9, (1, 131072): 64, (4, 300): 5, (1, 100): 2}
     got = {key: attention._num_splits(key[0], 8, key[1], cuda0) for key in expected}
     assert got == expected
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "fp8"])
+def test_decode_lazy_rescale_is_bit_identical(monkeypatch, num_splits, kv_dtype):
+    """``TUNING["decode"]["lazy_rescale"]`` rescales the running output only in tiles where a row's
+    max moved: alpha is exactly 1 in the others, so the output is the same bits as the eager
+    rescale, and equal to the reference. Key scores rise and fall along the cache (a sine), so a
+    row's max moves in some tiles and stays in others; GQA 4, contexts across tile edges."""
+    from kvpilot.kernels import attention
+
+    ctx = [0, 63, 64, 65, 200, 130]
+    q, kc, vc, bt, sl, qsl, _, _ = make_paged_batch([1] * len(ctx), ctx, 8, 2, 64, 16, torch.float32)
+    wave = 3 * torch.sin(torch.linspace(0.0, 12.0, kc.shape[0] * kc.shape[1])).reshape(kc.shape[0], kc.shape[1], 1, 1)
+    kc = kc + wave * q.mean(dim=(0, 1)).sign()
+    q_dtype = torch.float32
+    if kv_dtype == "fp8":
+        from kvpilot.kernels.reference import to_cache_dtype
+
+        kc, vc = to_cache_dtype(kc, torch.float8_e4m3fn), to_cache_dtype(vc, torch.float8_e4m3fn)
+        q_dtype = torch.bfloat16
+    q = q.to(q_dtype)
+    args = (bt, sl, qsl, 0.125, 1, max(ctx) + 1)
+    ref = paged_attention_ref(q, kc.float().to(q_dtype) if kv_dtype == "fp8" else kc,
+                              vc.float().to(q_dtype) if kv_dtype == "fp8" else vc, *args)
+    outs = {}
+    for lazy in (False, True):
+        monkeypatch.setitem(attention.TUNING, "decode", dict(attention.TUNING["decode"], lazy_rescale=lazy))
+        outs[lazy] = paged_attention_triton(*_to(DEVICE, q, kc, vc, bt, sl, qsl), *args[3:],
+                                            num_splits=num_splits).cpu()
+    assert torch.equal(outs[True], outs[False])
+    torch.testing.assert_close(outs[True].float(), ref.float(), **_tol(q_dtype))

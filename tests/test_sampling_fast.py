@@ -5,8 +5,8 @@ logits, top_p near 0 and 1, top-k + top-p + min-p combinations, greedy and plain
 The Triton kernels run on CPU under TRITON_INTERPRET=1 with a small vocabulary, and with shrunken
 chunk/window sizes so that the multi-chunk reductions, the stage-2 refinement and the hand-off to
 the exact path all happen; the GPU tests use serving shapes. Rows with top-p/min-p but no top-k
-take the window path by default (``pivot_rounds`` 0) and the pivot path when it is turned on
-(tests/test_sampling_pivot.py; off by default, see kernels/sampling.py).
+take the pivot path by default (tests/test_sampling_pivot.py) and the window path with
+``pivot_rounds`` 0 (cases below).
 """
 
 from __future__ import annotations
@@ -292,15 +292,15 @@ def test_gpu_random_rows_equal_exact():
 def test_gpu_pivot_path_equals_exact_at_serving_shape(scale):
     """Rows with top-p and/or min-p but no top-k (the pivot path) at 256 x 128,256 on flat,
     Llama-like and peaked logits: every token the kernels settle equals the exact reference's with
-    the pivot path on (4 generations), the fused schedule, a cap of 2 generations, and off (the
-    default: window path); with 4 generations hardly any row is left to the exact path."""
+    the pivot path on (4 generations, the default), the fused schedule, a cap of 2 generations,
+    and off (window path); with 4 generations hardly any row is left to the exact path."""
     g = torch.Generator(device="cuda").manual_seed(1)
     logits = torch.randn(256, 128256, device="cuda", generator=g) * scale
     settings = [(0.8, 0.9, 0.0), (1.0, 0.95, 0.0), (0.7, 0.5, 0.0), (1.0, 0.1, 0.0), (0.6, 0.01, 0.0),
                 (1.0, 0.999, 0.0), (1.2, 1.0, 0.1), (0.8, 0.9, 0.05), (1.0, 0.3, 0.02), (1.5, 0.8, 0.0),
                 (0.8, 0.99, 0.0)]
     configs = {"pivot": {"pivot_rounds": 4}, "fused": {"pivot_rounds": 4, "pivot_fuse": 1},
-               "cap 2": {"pivot_rounds": 2}, "window (default)": {}}
+               "cap 2": {"pivot_rounds": 2}, "window": {"pivot_rounds": 0}}
     handed = dict.fromkeys(configs, 0)
     for step in range(2):
         rows = [SamplingRow(temperature=t, top_p=p, min_p=m, seed=i, step=step)

@@ -26,8 +26,8 @@ MULTI_CHUNK = {"chunk": 256, "block": 256, "pivot_block": 128, "pivot_cblock": 6
 
 @pytest.fixture(autouse=True)
 def _pivot_on(monkeypatch):
-    """The path is off by default (``CONFIG["pivot_rounds"]`` 0, see kernels/sampling.py): these
-    tests turn it on with the generation cap it had when it was measured."""
+    """These tests hold the generation cap at 4 (the default, with which it was measured on the
+    GPU), whatever the default becomes."""
     from kvpilot.kernels import sampling as ks
 
     monkeypatch.setitem(ks.CONFIG, "pivot_rounds", 4)
@@ -193,3 +193,36 @@ def test_pivot_rows_with_masked_logits():
     want = _exact(logits, rows)
     assert want[1] == 333 and want[0] < 10
     assert _draw(logits, rows) == want
+
+
+def test_check_mode_reports_an_index_outside_the_buffers(monkeypatch):
+    """KVPILOT_SAMPLING_CHECK=1 (the debug mode the pivot kernels were instrumented with to hunt an
+    illegal memory access): a row id past the logits is clamped instead of read, and draw raises
+    with the record (code 1 or 2: a pass's row id; value 9; bound S = 3; one record per program, the
+    last pass's)."""
+    from kvpilot.kernels import sampling as ks
+
+    monkeypatch.setenv("KVPILOT_SAMPLING_CHECK", "1")
+    rows = _rows([(1.0, 0.5, 0.0)] * 3)
+    logits = _logits(2, 3, 300)
+    d = _Draw(rows, 300)
+    fprm, iprm, order = d.tensors(logits.device)
+    assert ks.draw(logits, fprm, iprm, order[:0], order, n_pivot=3).tolist() == _exact(logits, rows)
+    bad = order.clone()
+    bad[1] = 9
+    with pytest.raises(RuntimeError, match=r"pivot path read outside its buffers: \d+ records .*\[[12], 9, 3, "):
+        ks.draw(logits, fprm, iprm, order[:0], bad, n_pivot=3)
+
+
+def test_min_p_only_rows_settled_by_their_second_candidate():
+    """min-p without top-p on flat rows: the first candidate (a draw of the whole distribution)
+    often fails min-p, and the C pass then searches level 0 only (every token that passes min-p is
+    kept). With one generation such rows come back -1; with two every row has the reference's token."""
+    rows = _rows([(1.0, 1.0, mp) for mp in (0.05, 0.2, 0.5, 0.9)] * 4, seed0=60)
+    logits = _logits(9, len(rows), 800, scales=(0.5, 1.0, 1.5, 3.0))
+    want = _exact(logits, rows)
+    one = _draw(logits, rows, pivot_rounds=1)
+    assert sum(t < 0 for t in one) >= 4
+    assert all(t == w for t, w in zip(one, want) if t >= 0)
+    assert _draw(logits, rows, pivot_rounds=2) == want
+    assert _draw(logits, rows, **MULTI_CHUNK, pivot_rounds=2) == want

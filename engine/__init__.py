@@ -17,7 +17,7 @@ _EXPORTS = {
     "SamplingParams": "sampling_params",
     "KvCacheConfig": "config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
-    "RequestError": "outputs", "RequestAborted": "outputs",
+    "RequestError": "outputs", "RequestAborted": "outputs", "RequestTooLargeError": "outputs",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -25,7 +25,10 @@ produced for beam requests.
 KV cache: a beam that continues its own sequence appends in place. A beam forked from another one
 takes that sequence's *full* blocks by reference (their contents never change) and recomputes the
 tokens of the parent's last, partial block in its next step (at most ``tokens_per_block`` tokens),
-so no block is ever written by two beams and no copy kernel is needed.
+so no block is ever written by two beams and no copy kernel is needed. A forked beam joins the
+running sequences at once: the scheduler reserved the request's full width in batch slots when it
+admitted it, and preempts and re-admits all of its beams together (engine/scheduler.py); re-admitted
+beams share their common full blocks again through the prefix cache when block reuse is on.
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ class BeamSearch:
             req = seqs[idx[0]].request
             pos = {seqs[i].seq_id: i for i in idx}
             if any(s.seq_id not in pos for s in req.seqs):
-                # A beam was preempted or is mid-prefill: all beams must step together, so the
-                # others compute their last token again next step.
+                # A beam is mid-prefill (recomputed after a preemption) or got no tokens from the
+                # step's budget: all beams must step together, so the others compute their last
+                # token again next step. (Beams are never preempted or admitted apart: the
+                # scheduler treats a request's beams as one unit, `Request.lockstep`.)
                 for i in idx:
                     seqs[i].num_computed_tokens -= 1
                 continue

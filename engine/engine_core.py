@@ -331,11 +331,11 @@ class EngineCore:
                 # Nothing can ever run: the head of the queue does not fit an empty pool.
                 seq = self.scheduler.waiting[0]
                 req = seq.request
+                error = self.scheduler.unfit_error(seq)  # before its sequences leave the queue
                 for s in req.seqs:
                     self.scheduler.finish(s)
                     s.finish_reason = "abort"
-                self._finish_request(req, [], error=RequestError(
-                    f"request {req.request_id} needs more KV-cache blocks than the pool has"))
+                self._finish_request(req, [], error=error)
             return self._stats(t0, sched, 0, num_generated)
         plan: list[ScheduledSeq] = []
         num_context = num_prompt_tokens = 0

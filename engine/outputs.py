@@ -28,6 +28,11 @@ class RequestAborted(RequestError):
     """The request was aborted before it finished."""
 
 
+class RequestTooLargeError(RequestError):
+    """A request that can never be scheduled: even alone, its sequences need more KV-cache blocks,
+    batch slots or tokens per step than the engine has."""
+
+
 @dataclass
 class Logprob:
     """Log-probability of one token (natural log) and its rank in the distribution (1 = most likely)."""

@@ -13,6 +13,15 @@ Async scheduling (`engine_core`): a running sequence whose last sampled token is
 token is its last (its length limit). ``schedule(preempt=False)`` returns None instead of preempting,
 so that the engine can first read the in-flight tokens (which may finish sequences and free blocks)
 and preempt, if it must, on settled state.
+
+Lockstep requests (`Request.lockstep`: beam search, whose beams must all be computed in the same
+step) are scheduled as one unit, as vLLM v0 schedules a sequence group: preempting one of their
+sequences preempts all of them (taking back what the step already gave the others), and they are
+admitted only all together, with the batch slots of the request's full width reserved and the
+blocks of every sequence's whole length allocated at once. Otherwise a beam could hold blocks while
+it waits for a sibling queued behind a request that only those blocks would let in (a livelock).
+A lockstep request that cannot be admitted even into an empty batch and pool can never run:
+`unfit_error` says why, and the engine fails it with that error.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .kv_cache_manager import KVCacheManager
-from .sequence import Sequence, SequenceStatus
+from .outputs import RequestTooLargeError
+from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+_RUNNING = SequenceStatus.RUNNING
 
 
 @dataclass
@@ -52,6 +64,8 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._num_finished_running = 0  # finished sequences not yet dropped from _running
         self.num_preemptions = 0
+        # Admitted lockstep requests: each holds batch slots for its full width (`_reserved_slots`).
+        self._lockstep: dict[int, Request] = {}
 
     @property
     def running(self) -> list[Sequence]:
@@ -76,6 +90,111 @@ class Scheduler:
         out.preempted.append(seq)
         self.num_preemptions += 1
         logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
+
+    def _preempt_last(self, running: list[Sequence], i: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
+        """Preempt the most recently admitted running sequence; with a lockstep request, every running
+        sequence of that request (they return to the head of the queue in their order). Returns the
+        preempted sequences and how many of them stood before position ``i`` of ``running``."""
+        victim = running[-1]
+        req = victim.request
+        if not req.lockstep:
+            running.pop()
+            self._preempt(victim, out)
+            return [victim], 0
+        at = [k for k, s in enumerate(running) if s.request is req]
+        group = [running[k] for k in at]
+        for k in reversed(at):
+            del running[k]
+        for s in reversed(group):
+            self._preempt(s, out)
+        self._lockstep.pop(req.request_id, None)
+        return group, sum(1 for k in at if k < i)
+
+    def _reserved_slots(self) -> int:
+        """Batch slots held by admitted lockstep requests beyond their running sequences (a beam
+        request starts with one sequence and forks up to its width)."""
+        extra = 0
+        for rid, req in list(self._lockstep.items()):
+            live = sum(1 for s in req.seqs if s.status is _RUNNING)
+            if live == 0:  # finished (or aborted) meanwhile
+                del self._lockstep[rid]
+            else:
+                extra += max(0, req.max_num_seqs - live)
+        return extra
+
+    def _waiting_group(self) -> list[Sequence]:
+        """The head of the queue with the queued sequences of its request that follow it (a lockstep
+        request's sequences are queued together)."""
+        waiting = self.waiting
+        req = waiting[0].request
+        k = 1
+        while k < len(waiting) and waiting[k].request is req:
+            k += 1
+        return [waiting[j] for j in range(k)]
+
+    def _group_blocks(self, group: list[Sequence]) -> tuple[list[list[int]], int]:
+        """Cached prefix blocks of each sequence and the free blocks admitting all of them takes
+        (new blocks for every token, and cached blocks in the free queue, each counted once)."""
+        kv = self.kv
+        cached = [kv.match_prefix(s) for s in group]
+        need = sum(kv.blocks_needed(s.num_tokens) - len(c) for s, c in zip(group, cached))
+        need += len({b for c in cached for b in c if kv.blocks[b].ref_count == 0})
+        return cached, need
+
+    def _admit_group(self, budget: int, slots: int, running: list[Sequence], out: SchedulerOutput) -> int:
+        """Admit the lockstep request at the head of the queue, all of its sequences or none: its full
+        width in batch slots, at least one token of ``budget`` each, and blocks for all their tokens.
+        Returns the tokens scheduled (0: not admitted)."""
+        group = self._waiting_group()
+        req = group[0].request
+        if slots + max(req.max_num_seqs, len(group)) > self.max_batch_size or budget < len(group):
+            return 0
+        cached, need = self._group_blocks(group)
+        if need > self.kv.num_free_blocks:
+            return 0
+        kv = self.kv
+        for seq, c in zip(group, cached):  # every cached block leaves the free queue before any allocation
+            self.waiting.popleft()
+            kv.admit(seq, c)
+        used = 0
+        for j, seq in enumerate(group):
+            computed = seq.num_computed_tokens
+            if kv.enable_block_reuse:
+                out.prefix_queries += seq.num_tokens
+                out.prefix_hits += computed
+            kv.allocate(seq, seq.num_tokens - computed)
+            n = min(seq.num_tokens - computed, budget - used - (len(group) - 1 - j))  # one token left for each after it
+            seq.status = _RUNNING
+            running.append(seq)
+            out.scheduled.append((seq, n))
+            used += n
+        self._lockstep[req.request_id] = req
+        return used
+
+    def unfit_error(self, seq: Sequence) -> RequestTooLargeError:
+        """The error to fail ``seq``'s request with when it is the head of the queue and `schedule`
+        could not admit it into an empty batch and pool (so it can never run). Says what it needs
+        that the engine lacks: batch slots for a beam request's width, tokens per step, or blocks
+        (for a beam request, the blocks its queued beams take together). Returned, not raised."""
+        req = seq.request
+        rid = req.request_id
+        if not req.lockstep:
+            return RequestTooLargeError(f"request {rid} needs more KV-cache blocks than the pool has")
+        group = self._waiting_group() if self.waiting and self.waiting[0] is seq else [seq]
+        width = max(req.max_num_seqs, len(group))
+        if width > self.max_batch_size:
+            return RequestTooLargeError(
+                f"request {rid}: beam search with {width} beams needs {width} sequences in one batch, "
+                f"but max_batch_size is {self.max_batch_size}")
+        if len(group) > self.max_num_tokens:
+            return RequestTooLargeError(
+                f"request {rid}: its {len(group)} beams need {len(group)} tokens in one step, "
+                f"but max_num_tokens is {self.max_num_tokens}")
+        _, need = self._group_blocks(group)
+        return RequestTooLargeError(
+            f"request {rid}: its {len(group)} beams of {max(s.num_tokens for s in group)} tokens need {need} "
+            f"KV-cache blocks together, but the pool has {self.kv.num_blocks} blocks of {self.kv.block_size} "
+            f"tokens")
 
     def schedule(self, preempt: bool = True) -> Optional[SchedulerOutput]:
         """This step's work. With ``preempt=False`` returns None where it would have to preempt (the
@@ -106,9 +225,12 @@ class Scheduler:
             if not preempt and not self.kv.can_allocate(seq, n):
                 return None
             while not self.kv.can_allocate(seq, n):
-                victim = running.pop()
-                self._preempt(victim, out)
-                if victim is seq:
+                _, before = self._preempt_last(running, i, out)
+                if before:  # sequences of a lockstep request the step already took: given back
+                    i -= before
+                    budget += sum(k for s, k in scheduled if s.status is not _RUNNING)
+                    scheduled[:] = [(s, k) for s, k in scheduled if s.status is _RUNNING]
+                if seq.status is not _RUNNING:
                     break
             else:
                 self.kv.allocate(seq, n)
@@ -116,11 +238,21 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # the sequence itself was preempted: it was the last running one
-        if out.preempted:
+            # The sequence itself was preempted (the last running one, or with its request's others):
+            # running[i] is now the next sequence not preempted, if any.
+        if out.preempted and running:
             return out  # the pool is full: admit nothing new this step
-        while self.waiting and budget > 0 and len(running) < self.max_batch_size:
+        # (With nothing left running the pool is empty: the head, preempted or not, is tried in it.)
+        slots = len(running) + (self._reserved_slots() if self._lockstep else 0)
+        while self.waiting and budget > 0 and slots < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.request.lockstep:
+                used = self._admit_group(budget, slots, running, out)
+                if not used:
+                    break
+                budget -= used
+                slots += seq.request.max_num_seqs  # its full width
+                continue
             cached = self.kv.match_prefix(seq)
             computed = len(cached) * self.kv.block_size
             n = min(seq.num_tokens - computed, budget)
@@ -136,6 +268,7 @@ class Scheduler:
             running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+            slots += 1
         return out
 
     def finish(self, seq: Sequence) -> None:

@@ -104,6 +104,19 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def lockstep(self) -> bool:
+        """Whether the request's sequences must all be computed in the same steps (beam search: the
+        next beams are chosen from every beam's logits at once). The scheduler then preempts and
+        admits them together (vLLM v0's sequence group); other requests' sequences are independent
+        (vLLM v1's parallel-sampling child requests)."""
+        return self.params.use_beam_search
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the request can hold at once: a beam request grows from one to its width."""
+        return self.params.num_candidates
+
+    @property
     def finished(self) -> bool:
         seqs = self.seqs
         if len(seqs) == 1:  # the common case, checked for every request every step

@@ -8,8 +8,10 @@ on the CPU with ``KVPILOT_ASYNC_SCHEDULING=1`` and comparing with the synchronou
   iteration's ``num_generation_tokens`` (the Prometheus generation-token counter fell behind the
   synchronous engine by up to a batch per abort).
 - (Not from that commit; found on the way, synchronous engine too.) A beam request whose beam was
-  preempted livelocks when the head of the waiting queue does not fit: its running beam recomputes
-  its last token forever, waiting for siblings that can never be admitted.
+  preempted livelocked when the head of the waiting queue did not fit: its running beam recomputed
+  its last token forever, waiting for siblings that could never be admitted. Fixed: a beam request's
+  sequences are preempted and admitted together (engine/scheduler.py; more cases in
+  tests/test_beam_preemption.py).
 """
 
 from __future__ import annotations
@@ -128,7 +130,6 @@ def test_tokens_read_by_an_abort_are_counted_in_the_stats(stories_model_dir, asy
     assert delivered == 6 + 30 + 30 and counted == delivered
 
 
-@pytest.mark.xfail(strict=True, reason="beam request livelock after a preemption (pre-existing, not fixed)")
 def test_beam_request_preempted_behind_a_request_that_does_not_fit_finishes(stories_model_dir, monkeypatch):
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "0")  # the synchronous engine hangs the same way
     llm = LLM(str(stories_model_dir), max_batch_size=8, max_num_tokens=64,

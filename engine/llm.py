@@ -124,9 +124,10 @@ class LLM:
         # A private, re-validated copy: fields changed after construction are checked again, and the
         # caller's object (often shared by many requests) is never written to.
         params = dataclasses.replace(params) if params is not None else SamplingParams()
-        if params.use_beam_search and params.num_candidates > self.max_batch_size:
-            raise ValueError(f"beam search with {params.num_candidates} beams needs that many batch slots; "
-                             f"max_batch_size is {self.max_batch_size}")
+        if params.use_beam_search and params.num_candidates > min(self.max_batch_size, self.max_num_tokens):
+            raise ValueError(f"beam search with {params.num_candidates} beams needs that many batch slots and "
+                             f"tokens per step; max_batch_size is {self.max_batch_size}, max_num_tokens is "
+                             f"{self.max_num_tokens}")
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "

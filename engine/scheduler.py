@@ -91,16 +91,36 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
 
+    def _readmittable(self, req: Request) -> bool:
+        """Whether a lockstep request's running sequences, preempted now, could be admitted again:
+        re-admitted they share no block (their common prefix only through the prefix cache, if it
+        still holds it), so together they must fit the whole pool."""
+        kv = self.kv
+        return sum(kv.blocks_needed(s.num_tokens) for s in req.seqs if s.status is _RUNNING) <= kv.num_blocks
+
+    def _victim(self, running: list[Sequence]) -> int:
+        """Position in ``running`` of the sequence to preempt: the most recently admitted one, passing
+        over lockstep requests that could not be admitted again (`_readmittable`) while another
+        candidate exists (preempting one of those would fail it, although it fits the pool while its
+        beams share their blocks)."""
+        for k in range(len(running) - 1, -1, -1):
+            req = running[k].request
+            if not req.lockstep or self._readmittable(req):
+                return k
+        return len(running) - 1
+
     def _preempt_last(self, running: list[Sequence], i: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
-        """Preempt the most recently admitted running sequence; with a lockstep request, every running
-        sequence of that request (they return to the head of the queue in their order). Returns the
-        preempted sequences and how many of them stood before position ``i`` of ``running``."""
-        victim = running[-1]
+        """Preempt the running sequence `_victim` picks (normally the most recently admitted); with a
+        lockstep request, every running sequence of that request (they return to the head of the
+        queue in their order). Returns the preempted sequences and how many of them stood before
+        position ``i`` of ``running`` (the step had taken those already)."""
+        k = self._victim(running)
+        victim = running[k]
         req = victim.request
         if not req.lockstep:
-            running.pop()
+            del running[k]
             self._preempt(victim, out)
-            return [victim], 0
+            return [victim], int(k < i)
         at = [k for k, s in enumerate(running) if s.request is req]
         group = [running[k] for k in at]
         for k in reversed(at):
@@ -147,8 +167,9 @@ class Scheduler:
         Returns the tokens scheduled (0: not admitted)."""
         group = self._waiting_group()
         req = group[0].request
-        if slots + max(req.max_num_seqs, len(group)) > self.max_batch_size or budget < len(group):
-            return 0
+        width = max(req.max_num_seqs, len(group))
+        if slots + width > self.max_batch_size or budget < len(group) or width > self.max_num_tokens:
+            return 0  # (a width above max_num_tokens never runs: `unfit_error` says so)
         cached, need = self._group_blocks(group)
         if need > self.kv.num_free_blocks:
             return 0
@@ -186,9 +207,9 @@ class Scheduler:
             return RequestTooLargeError(
                 f"request {rid}: beam search with {width} beams needs {width} sequences in one batch, "
                 f"but max_batch_size is {self.max_batch_size}")
-        if len(group) > self.max_num_tokens:
+        if width > self.max_num_tokens:
             return RequestTooLargeError(
-                f"request {rid}: its {len(group)} beams need {len(group)} tokens in one step, "
+                f"request {rid}: its {width} beams need {width} tokens in one step, "
                 f"but max_num_tokens is {self.max_num_tokens}")
         _, need = self._group_blocks(group)
         return RequestTooLargeError(

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enter, pdl_mode
+
 from .reference import _check_attention_args
 
 logger = logging.getLogger(__name__)
@@ -273,7 +275,9 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -326,13 +330,17 @@ def _decode_kernel(
         # Every split has at least one valid key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if LAZY_RESCALE:  # rescale only when a row's max moved (alpha would be exactly 1 otherwise)
+            # Each branch forms l_i as the eager update does (one fused multiply-add on the GPU;
+            # fma(l, 1, x) is l + x), so the bits are the eager kernel's.
             if tl.max(m_new - m_i, 0) > 0:
                 alpha = tl.exp2(m_i - m_new)
                 acc = acc * alpha[:, None]
-                l_i = l_i * alpha
+                p = tl.exp2(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
                 m_i = m_new
-            p = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
+            else:
+                p = tl.exp2(s - m_i[:, None])
+                l_i = l_i + tl.sum(p, 1)
         else:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -373,7 +381,9 @@ def _reduce_kernel(
     stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -584,12 +594,14 @@ def paged_attention_triton(
     else:
         part_out = part_lse = out  # unused
     maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
+    pdl = pdl_mode(q.device, num_seqs)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
         scale_log2, splits, *common_strides,
         NUM_HEADS=num_heads, SPLIT=splits > 1, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16, LAZY_RESCALE=bool(cfg.get("lazy_rescale")),
+        USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),
         # (a compile option: the CPU interpreter has no registers to cap)
@@ -604,5 +616,6 @@ def paged_attention_triton(
             # One warp holds SPLITS_PAD x HEAD_DIM_PAD fp32 partials: past 16 splits of 128 dims
             # ptxas spilled registers (tests/compile_kernels.py), so more warps share them.
             num_warps=1 if triton.next_power_of_2(splits) * head_dim_pad <= 16 * 128 else 4,
+            USE_PDL=pdl > 0, **launch_options(pdl),
         )  # fmt: skip
     return out

@@ -57,6 +57,8 @@ from .reference import rms_norm_ref, silu_and_mul_ref
 try:  # the references and dispatchers work without Triton
     import triton
     import triton.language as tl
+
+    from .pdl import launch_options, pdl_enter, pdl_mode
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -291,6 +293,7 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -298,6 +301,7 @@ if triton is not None:
         # never stored, so the loads need no predicate.
         rows = tl.minimum(offs_m, M - 1).to(tl.int64)
         arange_k = tl.arange(0, BLOCK_K)
+        pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
@@ -405,6 +409,7 @@ def _launch(
     tiles = triton.cdiv(n, cfg["block_n"])
     grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = pdl_mode(x.device, m)
     _gemv_kernel[grid](
         x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
@@ -414,7 +419,8 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_PDL=pdl > 0,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip
     return y, h
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enter, pdl_mode
+
 from .reference import FP8_KV_DTYPE, FP8_KV_MAX, _check_rotary_args, _check_write_args
 
 
@@ -108,7 +110,9 @@ def _rotary_write_kv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, NUM_Q_PROGRAMS: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
     # Grid (token, head block): programs [0, NUM_Q_PROGRAMS) rotate Q_HEADS query heads in place,
     # the rest rotate KV_HEADS key heads and write them and their values to the token's slot.
     # The q/k/v loads come before the position-dependent cos/sin loads, so at batch 1 a program
@@ -211,6 +215,7 @@ def rotary_write_kv_cache_triton(
     num_kv_heads = k.shape[1]
     cfg = rotary_launch_config(num_tokens, num_heads, num_kv_heads, head_dim)
     half = head_dim // 2
+    pdl = pdl_mode(q.device, num_tokens)
     _rotary_write_kv_kernel[(num_tokens, cfg["num_q_programs"] + cfg["num_kv_programs"])](
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -220,7 +225,7 @@ def rotary_write_kv_cache_triton(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
         Q_HEADS=cfg["q_heads"], KV_HEADS=cfg["kv_heads"], NUM_Q_PROGRAMS=cfg["num_q_programs"],
         HALF=half, HALF_PAD=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        SATURATE=_saturate(k_cache),
-        num_warps=cfg["num_warps"],
+        SATURATE=_saturate(k_cache), USE_PDL=pdl > 0,
+        num_warps=cfg["num_warps"], **launch_options(pdl),
     )  # fmt: skip
     return q

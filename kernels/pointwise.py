@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch_options, pdl_enter, pdl_mode
+
 from .reference import _check_rms_norm_args, _check_rotary_args
 
 TUNING = {
@@ -26,7 +28,9 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, y_ptr, h_ptr, eps,
     stride_x, stride_r, stride_y, stride_h,
     HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EARLY_WEIGHT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -76,12 +80,13 @@ def rms_norm_triton(
     res = residual if residual is not None else x
     if num_tokens:
         block = triton.next_power_of_2(hidden)
+        pdl = pdl_mode(x.device, num_tokens)
         _rms_norm_kernel[(num_tokens,)](
             x, res, weight, y, h, float(eps),
             x.stride(0), res.stride(0), y.stride(0), h.stride(0),
             HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            EARLY_WEIGHT=num_tokens <= TUNING["rms_norm_early_weight_max_rows"],
-            num_warps=min(16, max(1, block // 256)),
+            EARLY_WEIGHT=num_tokens <= TUNING["rms_norm_early_weight_max_rows"], USE_PDL=pdl > 0,
+            num_warps=min(16, max(1, block // 256)), **launch_options(pdl),
         )  # fmt: skip
     return y if residual is None else (y, h)
 

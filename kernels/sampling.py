@@ -446,7 +446,7 @@ def _pivot_kept(pw_ptr, pmb_ptr, ow, omb, NS, p, zj, thr, SP: tl.constexpr):
 
 # Row lists are slices of the engine's row order whose alignment varies with the row counts: read
 # once per program, they are not specialised on (no variant compiled per alignment).
-@triton.jit(do_not_specialize=["rows_ptr"])
+@triton.jit(do_not_specialize=["rows_ptr", "S"])
 def _pivot_first_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, state_ptr, NS,
                         dbg_ptr, S, CHUNK: tl.constexpr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
     """Pivot pass 1, per chunk: max of z = div_rn(x, T), and the best (z + G, id) among the tokens
@@ -516,7 +516,7 @@ def _cand_update(best_y, best_i, b1_y, b1_i, top_p, c, z, cols, cl, il, key):
     return best_y, best_i, b1_y, b1_i
 
 
-@triton.jit(do_not_specialize=["rows_ptr", "NF", "g", "k"])
+@triton.jit(do_not_specialize=["rows_ptr", "NF", "S", "NC", "g", "k"])
 def _pivot_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, cy_ptr, ci_ptr, pf_ptr, lv_ptr,
                   li_ptr, cj_ptr, cz_ptr, pw_ptr, pmb_ptr, state_ptr, NF, NS, dbg_ptr, S, NC, g, k,
                   DECIDE: tl.constexpr, MASS: tl.constexpr, TOTAL: tl.constexpr, CAND: tl.constexpr,
@@ -728,6 +728,7 @@ def _resolve_kernel(out_ptr, frows_ptr, prows_ptr, fprm_ptr, iprm_ptr, pmax_ptr,
         pi = tl.load(pidx_ptr + j * NSP + po, mask=po < NSP, other=_INT_MAX)
         pbest = tl.max(pv, 0)
         ptok = tl.min(tl.where(pv == pbest, pi, _INT_MAX), 0)
+        ptok = tl.where(ptok == _INT_MAX, 0, ptok)  # an all-NaN row: token 0, as the exact path
         tl.store(out_ptr + tl.load(prows_ptr + j), ptok.to(tl.int64))
     else:
         i = pid

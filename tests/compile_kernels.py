@@ -505,6 +505,25 @@ def _sampling_penalties(rep_on: bool, freq_on: bool):
     return case
 
 
+def _with_pdl(mode: int, case: Callable[[], None]) -> Callable[[], None]:
+    """``case`` with programmatic dependent launch (kernels/pdl.py) forced to ``mode`` in every
+    kernel module that launches with it (on a CPU tensor the wrappers would pick 0)."""
+    def run():
+        from kvpilot.kernels import attention, gemv, kv_cache, pointwise
+
+        mods = (attention, gemv, kv_cache, pointwise)
+        saved = [m.pdl_mode for m in mods]
+        for m in mods:
+            m.pdl_mode = lambda device, rows: mode
+        try:
+            case()
+        finally:
+            for m, f in zip(mods, saved):
+                m.pdl_mode = f
+
+    return run
+
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     """(label, function) of every case, in compile order."""
     out = []
@@ -533,6 +552,11 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 rotary+kv write bf16 kv, 1 token", _rotary_write(tp8, 1, BF16)))
     out.append(("tp=8 rms_norm + silu_and_mul, 1 token", _pointwise(tp8, 1)))
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
+    # The batch-1 decode chain with programmatic dependent launch (kernels/pdl.py, on by default).
+    out.append(("pdl=1 gemv M=1", _with_pdl(1, _gemv(one, 1))))
+    out.append(("pdl=1 attention decode fp8 kv, split", _with_pdl(1, _attention(one, [1], [3999], torch.float8_e4m3fn))))
+    out.append(("pdl=1 rotary+kv write fp8 kv, 1 token", _with_pdl(1, _rotary_write(one, 1, torch.float8_e4m3fn))))
+    out.append(("pdl=1 rms_norm + silu_and_mul, 1 token", _with_pdl(1, _pointwise(one, 1))))
     for kinds in ("g", "gttg", "k", "kpma", "gtkpma"):
         out.append((f"sampling draw rows={kinds}", _sampling_draw(kinds)))
     out.append(("sampling draw rows=gkpm pivot fused", _sampling_draw("gkpm", {"pivot_fuse": 1})))
@@ -567,10 +591,11 @@ def _name(fn: JITFunction) -> str:
 
 
 def _callees(fn: JITFunction) -> set[str]:
-    """Names of the @triton.jit functions of the same module that ``fn``'s body calls."""
+    """Names of the @triton.jit functions that ``fn``'s body calls (defined in its module or
+    imported into it, e.g. ``pdl.pdl_enter``)."""
     names = {n.func.id for n in ast.walk(ast.parse(fn.src)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
-    short = fn.module.rsplit(".", 1)[-1]
-    return {f"{short}.{n}" for n in names if isinstance(fn.fn.__globals__.get(n), JITFunction)}
+    g = fn.fn.__globals__
+    return {_name(g[n]) for n in names if isinstance(g.get(n), JITFunction)}
 
 
 def coverage(compiled: set[str], fns: dict[str, JITFunction]) -> tuple[list[str], dict[str, str]]:

@@ -364,7 +364,8 @@ def test_beam_request_wider_than_the_batch_fails_and_others_are_served(tiny, unp
     d, _model = tiny
     llm = _llm(d, monkeypatch, async_scheduling, pool_tokens=256, max_batch_size=2)
     try:
-        with pytest.raises(ValueError, match="3 beams needs that many batch slots; max_batch_size is 2"):
+        with pytest.raises(ValueError, match="3 beams needs that many batch slots and tokens per step; "
+                                             "max_batch_size is 2"):
             llm._make_request(PROMPTS[1], BEAM, False)
         llm.max_batch_size = 3  # past the submit check only: the scheduler still has 2 slots
         outs = _drive(llm, [(PROMPTS[1], BEAM), (PROMPTS[2], LONG)])

@@ -1,0 +1,75 @@
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper and newer).
+
+A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
+running: its programs start, and ``griddepcontrol.wait`` (Triton: ``gdc_wait``) blocks each of them
+until that kernel has finished and its memory writes are visible. Each kernel here also calls
+``griddepcontrol.launch_dependents`` (``gdc_launch_dependents``) on entry, so the next PDL kernel is
+scheduled as early as possible. The gap between two kernels (the next one's launch and its programs'
+start) then overlaps the previous kernel's last programs; the CUDA Programming Guide, "Programmatic
+Dependent Launch and Synchronization", describes the mechanism. CUDA graphs keep these programmatic
+edges when the launches are captured.
+
+Rules the kernels follow: `pdl_enter` runs first, before any load or store of memory another kernel
+writes or reads. A kernel that never calls ``gdc_wait`` must not be launched with PDL; a kernel
+launched without PDL that calls it does not wait (the instruction returns at once).
+
+``KVPILOT_PDL`` (read at each launch): 1 (default) on for launches of at most ``PDL_MAX_ROWS``
+tokens or sequences (decode at small batch, where the gaps between kernels are a measurable share
+of a step: batch-1 ITL 4.566 -> 4.461 ms on an H200, BENCHMARKS.md sixth session), 0 off. Off on
+GPUs below compute capability 9.0, under the CPU interpreter, and when this Triton has no
+``gdc_wait`` or ``launch_pdl``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    # the launch option that sets the PDL attribute (Triton >= 3.3)
+    HAS_GDC = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+except ImportError:  # an older Triton: PDL stays off (the names are only used when it is on)
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+PDL_MAX_ROWS = 8
+"""Largest launch (tokens or sequences) that uses PDL: measured at batch 1 (module docstring)."""
+
+
+def pdl_mode(device: torch.device, rows: int) -> int:
+    """1 when a launch of ``rows`` tokens or sequences on ``device`` uses PDL, else 0
+    (``KVPILOT_PDL``, module docstring)."""
+    if rows > PDL_MAX_ROWS or device.type != "cuda" or not HAS_GDC:
+        return 0
+    if os.environ.get("KVPILOT_PDL", "1") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 1 if _capable(index) else 0
+
+
+def launch_options(mode: int) -> dict:
+    """Extra launch keywords of a launch with `pdl_mode` ``mode``."""
+    return {"launch_pdl": True} if mode else {}
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel be scheduled, then wait for the kernels before this one (no-op
+    when ``USE_PDL`` is false)."""
+    if USE_PDL:
+        gdc_launch_dependents()
+        gdc_wait()

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper and newer).
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper).
 
 A kernel launched with PDL may be scheduled while the kernel before it in the stream is still
 running: its programs start, and ``griddepcontrol.wait`` (Triton: ``gdc_wait``) blocks each of them
@@ -13,11 +13,12 @@ Rules the kernels follow: `pdl_enter` runs first, before any load or store of me
 writes or reads. A kernel that never calls ``gdc_wait`` must not be launched with PDL; a kernel
 launched without PDL that calls it does not wait (the instruction returns at once).
 
-``KVPILOT_PDL`` (read at each launch): 1 (default) on for launches of at most ``PDL_MAX_ROWS``
-tokens or sequences (decode at small batch, where the gaps between kernels are a measurable share
-of a step: batch-1 ITL 4.566 -> 4.461 ms on an H200, BENCHMARKS.md sixth session), 0 off. Off on
-GPUs below compute capability 9.0, under the CPU interpreter, and when this Triton has no
-``gdc_wait`` or ``launch_pdl``.
+``KVPILOT_PDL`` (read at each launch, so a CUDA graph keeps the value it was captured with): on by
+default for launches of at most ``PDL_MAX_ROWS`` tokens or sequences (decode at small batch, where
+the gaps between kernels are a measurable share of a step: batch-1 ITL 4.566 -> 4.461 ms on an
+H200, BENCHMARKS.md sixth session); 0 turns it off. Only on Hopper (compute capability 9.x, not
+ROCm), never under the CPU interpreter, and not when this Triton has no ``gdc_wait`` or
+``launch_pdl``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ except ImportError:  # an older Triton: PDL stays off (the names are only used w
 
 @functools.lru_cache(maxsize=None)
 def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    # Hopper only: measured on an H200; newer GPUs are untested (some projects report graph-capture
+    # failures with PDL on sm_120), and a ROCm build reports AMD GPUs as "cuda" with capability 9.x.
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] == 9
 
 
 PDL_MAX_ROWS = 8
@@ -55,7 +58,7 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     (``KVPILOT_PDL``, module docstring)."""
     if rows > PDL_MAX_ROWS or device.type != "cuda" or not HAS_GDC:
         return 0
-    if os.environ.get("KVPILOT_PDL", "1") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("KVPILOT_PDL", "1") in ("0", "false", "False", "no") or os.environ.get("TRITON_INTERPRET") == "1":
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     return 1 if _capable(index) else 0

@@ -184,7 +184,8 @@ def build_cases() -> list[Case]:
         a = _rand(m, HEADS * HEAD_DIM, g=g)
         cases.append(Case(f"o_proj gemv M={m}, late x", lambda a=a: [KG.gemv_triton(a, w_o)], a))
         gu = _rand(m, 2 * INTER, g=g)
-        cases.append(Case(f"silu+down gemv M={m}, late gate_up", lambda gu=gu: [KG.silu_mul_gemv_triton(gu, w_down)], gu))
+        cases.append(Case(f"silu+down gemv M={m}, late gate_up",
+                          lambda gu=gu: [KG.silu_mul_gemv_triton(gu, w_down)], gu))
         cases.append(Case(f"rms_norm {m} rows, late x", lambda x=x, r=r: K.rms_norm_triton(x, nw, 1e-5, r), x))
 
     cos_sin = K.build_rope_cache(HEAD_DIM, 8192, 500000.0, device=DEV)

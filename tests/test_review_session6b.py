@@ -145,7 +145,9 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
 
 # ---- findings -------------------------------------------------------------------------------------
 def test_pdl_mode_is_off_on_a_rocm_gpu(monkeypatch):
-    """Was a finding, fixed this session. PyTorch's ROCm build reports AMD GPUs as ``cuda`` devices with capability (9, 0) (MI200) or
+    """Was a finding, fixed this session.
+
+    PyTorch's ROCm build reports AMD GPUs as ``cuda`` devices with capability (9, 0) (MI200) or
     (9, 4) (MI300), so ``pdl_mode`` turns PDL on there whenever the installed Triton also carries
     the NVIDIA backend's ``launch_pdl`` option, and the kernels would be compiled with
     ``griddepcontrol`` (PTX) for an AMD target. The operator renders AMD pods

@@ -69,9 +69,12 @@ TUNING = {
         # batch 448 (H200; 128 spilled: 274 us). The bf16 kernel is bandwidth-bound already.
         "batch_maxnreg": None,
         "batch_maxnreg_fp8": 168,
-        # Rescale the running output only in key tiles where a row's max moved (the same bits: alpha
-        # is exactly 1 otherwise). FP8 cache, batch 492 x 1,200 keys: 386.4 instead of 402.7 us per
-        # layer (H200, BENCHMARKS.md sixth session).
+        # Launches without context splits rescale the running output only in key tiles where a
+        # row's max moved (alpha is exactly 1 otherwise). FP8 cache, batch 492 x 1,200 keys: 386.4
+        # instead of 402.7 us per layer (H200, BENCHMARKS.md sixth session). Not bit-identical on
+        # the GPU: the tensor-core sum then accumulates into acc instead of being added to acc *
+        # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp (seventh session). Split launches
+        # (long contexts at small batch) keep the eager update: lazy measured 6-8% slower there.
         "lazy_rescale": True,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
@@ -331,7 +334,7 @@ def _decode_kernel(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if LAZY_RESCALE:  # rescale only when a row's max moved (alpha would be exactly 1 otherwise)
             # Each branch forms l_i as the eager update does (one fused multiply-add on the GPU;
-            # fma(l, 1, x) is l + x), so the bits are the eager kernel's.
+            # fma(l, 1, x) is l + x); acc may differ from the eager kernel's in the last bit.
             if tl.max(m_new - m_i, 0) > 0:
                 alpha = tl.exp2(m_i - m_new)
                 acc = acc * alpha[:, None]
@@ -600,7 +603,7 @@ def paged_attention_triton(
         scale_log2, splits, *common_strides,
         NUM_HEADS=num_heads, SPLIT=splits > 1, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16, LAZY_RESCALE=bool(cfg.get("lazy_rescale")),
+        PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16, LAZY_RESCALE=bool(cfg.get("lazy_rescale")) and splits == 1,
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),

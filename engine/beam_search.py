@@ -27,8 +27,9 @@ takes that sequence's *full* blocks by reference (their contents never change) a
 tokens of the parent's last, partial block in its next step (at most ``tokens_per_block`` tokens),
 so no block is ever written by two beams and no copy kernel is needed. A forked beam joins the
 running sequences at once: the scheduler reserved the request's full width in batch slots when it
-admitted it, and preempts and re-admits all of its beams together (engine/scheduler.py); re-admitted
-beams share their common full blocks again through the prefix cache when block reuse is on.
+admitted it, and preempts and re-admits all of its beams together (engine/scheduler.py). Re-admitted
+beams share their common leading full blocks again (with or without block reuse): one beam
+recomputes each shared block, the others wait for it and then recompute only their own tokens.
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ class BeamSearch:
             req = seqs[idx[0]].request
             pos = {seqs[i].seq_id: i for i in idx}
             if any(s.seq_id not in pos for s in req.seqs):
-                # A beam is mid-prefill (recomputed after a preemption) or got no tokens from the
-                # step's budget: all beams must step together, so the others compute their last
-                # token again next step. (Beams are never preempted or admitted apart: the
-                # scheduler treats a request's beams as one unit, `Request.lockstep`.)
+                # A beam is mid-prefill (recomputed after a preemption), waits for blocks it shares
+                # with another beam (re-admitted), or got no tokens from the step's budget: all
+                # beams must step together, so the others compute their last token again next
+                # step. (Beams are never preempted or admitted apart: the scheduler treats a
+                # request's beams as one unit, `Request.lockstep`.)
                 for i in idx:
                     seqs[i].num_computed_tokens -= 1
                 continue
@@ -176,11 +178,7 @@ class BeamSearch:
         # Take the shared blocks before any spare sequence releases its own (a shared block must
         # never pass through the free queue).
         for _i, parent in forks:
-            for bid in snap[parent][1]:
-                block = kv.blocks[bid]
-                if block.ref_count == 0:
-                    del kv.free_blocks[bid]
-                block.ref_count += 1
+            kv.ref_blocks(snap[parent][1])
         for i, parent in forks:
             tokens, blocks, cached = snap[parent]
             if spare:

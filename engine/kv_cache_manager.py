@@ -124,6 +124,20 @@ class KVCacheManager:
             hits.append(bid)
         return hits
 
+    def common_full_blocks(self, a: list[int], b: list[int]) -> int:
+        """How many leading full blocks two token lists have in common: the largest ``k`` with
+        ``a[:k*B] == b[:k*B]``, at most ``(min(len(a), len(b)) - 1) // B`` (as `match_prefix`, so that
+        each sequence keeps at least one token of its own to compute)."""
+        B = self.block_size
+        lo, hi = 0, (min(len(a), len(b)) - 1) // B
+        while lo < hi:  # binary search; a[:lo*B] == b[:lo*B] is known, so only the rest is compared
+            mid = (lo + hi + 1) // 2
+            if a[lo * B:mid * B] == b[lo * B:mid * B]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Whether ``seq`` can grow to ``num_computed_tokens (+ cached) + num_new_tokens`` tokens."""
         computed = max(seq.num_computed_tokens, len(cached) * self.block_size)
@@ -133,16 +147,21 @@ class KVCacheManager:
         return need + taken_from_free <= len(self.free_blocks)
 
     # ---- changes ---------------------------------------------------------------------------
+    def ref_blocks(self, block_ids: list[int]) -> None:
+        """Take one more reference to each block (a free one, cached, leaves the free queue)."""
+        blocks, free = self.blocks, self.free_blocks
+        for bid in block_ids:
+            block = blocks[bid]
+            if block.ref_count == 0:
+                del free[bid]
+            block.ref_count += 1
+
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Give a new (or preempted) sequence its cached prefix blocks; counts hits in tokens."""
         assert not seq.block_table
         B = self.block_size
-        for bid in cached:
-            block = self.blocks[bid]
-            if block.ref_count == 0:
-                del self.free_blocks[bid]
-            block.ref_count += 1
-            seq.block_table.append(bid)
+        self.ref_blocks(cached)
+        seq.block_table.extend(cached)
         seq.num_computed_tokens = len(cached) * B
         seq.num_cached_blocks = len(cached)
         if self.enable_block_reuse:
@@ -150,6 +169,20 @@ class KVCacheManager:
             self.stats.hits += len(cached) * B
             self.stats.reused_blocks += len(cached)
             self.stats.missed_blocks += self.blocks_needed(seq.num_tokens) - len(cached)
+
+    def share_prefix(self, seq: Sequence, source: Sequence, num_blocks: int) -> None:
+        """Extend ``seq``'s table to ``source``'s first ``num_blocks`` blocks, by reference.
+
+        For the sequences of one request admitted together (a preempted beam request): ``seq``
+        holds only a prefix of those blocks (its cached ones, or none), and both sequences' first
+        ``num_blocks`` full blocks hold the same tokens (`common_full_blocks`). ``seq``'s computed
+        tokens are left as they are: the caller decides who computes the shared blocks.
+        """
+        have = len(seq.block_table)
+        assert seq.block_table == source.block_table[:have], "seq's blocks are not a prefix of source's"
+        shared = source.block_table[have:num_blocks]
+        self.ref_blocks(shared)
+        seq.block_table.extend(shared)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so that ``seq`` has slots for ``num_computed_tokens + num_new_tokens``."""
@@ -185,7 +218,8 @@ class KVCacheManager:
         seq.num_cached_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks (tail first, so a prefix's tail is evicted before its head)."""
+        """Release ``seq``'s blocks (tail first, so a prefix's tail is evicted before its head); its
+        wait for blocks shared with another sequence (``Sequence.shared_prefix``) ends with them."""
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -197,6 +231,7 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
+        seq.shared_prefix = None
 
     def hit_rate(self) -> float:
         return self.stats.hits / self.stats.queries if self.stats.queries else 0.0

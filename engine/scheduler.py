@@ -20,6 +20,17 @@ sequences preempts all of them (taking back what the step already gave the other
 admitted only all together, with the batch slots of the request's full width reserved and the
 blocks of every sequence's whole length allocated at once. Otherwise a beam could hold blocks while
 it waits for a sibling queued behind a request that only those blocks would let in (a livelock).
+
+A preempted lockstep request is re-admitted with its sequences sharing blocks again, as its beams
+shared them while running (forked block tables, engine/beam_search.py): each sequence takes the
+leading full blocks it has in common with an earlier sequence of the group by reference
+(`KVCacheManager.share_prefix`; blocks still in the prefix cache are taken from it first), and
+gets blocks of its own only for the rest. The sequence that allocated a shared block recomputes it;
+the others count it as computed but get nothing to compute until it is (``Sequence.shared_prefix``;
+at least one step later, so a step never reads what the same step writes), and then recompute only
+their own suffixes. A beam whose siblings wait computes its last token again (`BeamSearch.step`).
+So re-admission needs no more blocks than the request held when it was preempted plus the
+blocks its next tokens needed: a request that ran once fits the empty pool again.
 A lockstep request that cannot be admitted even into an empty batch and pool can never run:
 `unfit_error` says why, and the engine fails it with that error.
 """
@@ -29,7 +40,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .kv_cache_manager import KVCacheManager
 from .outputs import RequestTooLargeError
@@ -38,6 +49,16 @@ from .sequence import Request, Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 _RUNNING = SequenceStatus.RUNNING
+
+
+class _GroupPlan(NamedTuple):
+    """`Scheduler._group_plan`: per sequence of a lockstep group, its cached prefix blocks and
+    (index in the group of the sequence whose leading blocks it shares, or -1; its leading blocks
+    that are cached or shared), and the free blocks the whole group takes."""
+
+    cached: list[list[int]]
+    shared: list[tuple[int, int]]
+    need: int
 
 
 @dataclass
@@ -91,30 +112,12 @@ class Scheduler:
         self.num_preemptions += 1
         logger.debug("preempted sequence %d (%d tokens)", seq.seq_id, seq.num_tokens)
 
-    def _readmittable(self, req: Request) -> bool:
-        """Whether a lockstep request's running sequences, preempted now, could be admitted again:
-        re-admitted they share no block (their common prefix only through the prefix cache, if it
-        still holds it), so together they must fit the whole pool."""
-        kv = self.kv
-        return sum(kv.blocks_needed(s.num_tokens) for s in req.seqs if s.status is _RUNNING) <= kv.num_blocks
-
-    def _victim(self, running: list[Sequence]) -> int:
-        """Position in ``running`` of the sequence to preempt: the most recently admitted one, passing
-        over lockstep requests that could not be admitted again (`_readmittable`) while another
-        candidate exists (preempting one of those would fail it, although it fits the pool while its
-        beams share their blocks)."""
-        for k in range(len(running) - 1, -1, -1):
-            req = running[k].request
-            if not req.lockstep or self._readmittable(req):
-                return k
-        return len(running) - 1
-
     def _preempt_last(self, running: list[Sequence], i: int, out: SchedulerOutput) -> tuple[list[Sequence], int]:
-        """Preempt the running sequence `_victim` picks (normally the most recently admitted); with a
-        lockstep request, every running sequence of that request (they return to the head of the
-        queue in their order). Returns the preempted sequences and how many of them stood before
-        position ``i`` of ``running`` (the step had taken those already)."""
-        k = self._victim(running)
+        """Preempt the most recently admitted running sequence; with a lockstep request, every
+        running sequence of that request (they return to the head of the queue in their order).
+        Returns the preempted sequences and how many of them stood before position ``i`` of
+        ``running`` (the step had taken those already)."""
+        k = len(running) - 1
         victim = running[k]
         req = victim.request
         if not req.lockstep:
@@ -152,41 +155,79 @@ class Scheduler:
             k += 1
         return [waiting[j] for j in range(k)]
 
-    def _group_blocks(self, group: list[Sequence]) -> tuple[list[list[int]], int]:
-        """Cached prefix blocks of each sequence and the free blocks admitting all of them takes
-        (new blocks for every token, and cached blocks in the free queue, each counted once)."""
+    def _group_plan(self, group: list[Sequence]) -> _GroupPlan:
+        """How a lockstep group is admitted (see the module docstring): each sequence's cached prefix
+        blocks; the earlier sequence of the group whose leading full blocks it shares beyond those
+        (the one it has the most in common with, the first on a tie) and how many; and the free
+        blocks admitting all of them takes (new blocks, and cached blocks in the free queue, each
+        counted once)."""
         kv = self.kv
         cached = [kv.match_prefix(s) for s in group]
-        need = sum(kv.blocks_needed(s.num_tokens) - len(c) for s, c in zip(group, cached))
+        shared: list[tuple[int, int]] = []
+        need = 0
+        for i, seq in enumerate(group):
+            src, blocks = -1, len(cached[i])
+            toks = seq.token_ids
+            for j in range(i):
+                c = kv.common_full_blocks(group[j].token_ids, toks)
+                if c > blocks:
+                    src, blocks = j, c
+            shared.append((src, blocks))
+            need += kv.blocks_needed(seq.num_tokens) - blocks
+        # A sequence that shares an earlier one's blocks holds that one's cached blocks among them
+        # (equal tokens: equal block hashes), so the set counts every cached block.
         need += len({b for c in cached for b in c if kv.blocks[b].ref_count == 0})
-        return cached, need
+        return _GroupPlan(cached, shared, need)
+
+    @staticmethod
+    def _shared_prefix_ready(seq: Sequence) -> bool:
+        """Whether the blocks ``seq`` shares with an earlier sequence of its request (``seq.shared_prefix``
+        is set) are computed, in an earlier step; if so, the wait ends (``shared_prefix`` = None).
+        The source may itself be waiting for blocks it shares: then they count only once computed."""
+        src, upto = seq.shared_prefix
+        if src.shared_prefix is not None and not Scheduler._shared_prefix_ready(src):
+            return False
+        if src.num_computed_tokens < upto:
+            return False
+        seq.shared_prefix = None
+        return True
 
     def _admit_group(self, budget: int, slots: int, running: list[Sequence], out: SchedulerOutput) -> int:
         """Admit the lockstep request at the head of the queue, all of its sequences or none: its full
-        width in batch slots, at least one token of ``budget`` each, and blocks for all their tokens.
-        Returns the tokens scheduled (0: not admitted)."""
+        width in batch slots, at least one token of ``budget`` for each sequence that can compute
+        now, and blocks for all their tokens, shared where their leading full blocks are equal
+        (`_group_plan`). Returns the tokens scheduled (0: not admitted)."""
         group = self._waiting_group()
         req = group[0].request
         width = max(req.max_num_seqs, len(group))
-        if slots + width > self.max_batch_size or budget < len(group) or width > self.max_num_tokens:
+        if slots + width > self.max_batch_size or width > self.max_num_tokens:
             return 0  # (a width above max_num_tokens never runs: `unfit_error` says so)
-        cached, need = self._group_blocks(group)
-        if need > self.kv.num_free_blocks:
+        plan = self._group_plan(group)
+        now = sum(1 for src, _ in plan.shared if src < 0)  # the others wait for blocks they share
+        if budget < now or plan.need > self.kv.num_free_blocks:
             return 0
         kv = self.kv
-        for seq, c in zip(group, cached):  # every cached block leaves the free queue before any allocation
+        B = kv.block_size
+        for seq, c in zip(group, plan.cached):  # every cached block leaves the free queue before any allocation
             self.waiting.popleft()
             kv.admit(seq, c)
-        used = 0
-        for j, seq in enumerate(group):
-            computed = seq.num_computed_tokens
+        for seq, c, (src, blocks) in zip(group, plan.cached, plan.shared):
             if kv.enable_block_reuse:
                 out.prefix_queries += seq.num_tokens
-                out.prefix_hits += computed
-            kv.allocate(seq, seq.num_tokens - computed)
-            n = min(seq.num_tokens - computed, budget - used - (len(group) - 1 - j))  # one token left for each after it
+                out.prefix_hits += len(c) * B
+            if src >= 0:
+                kv.share_prefix(seq, group[src], blocks)
+                seq.num_computed_tokens = blocks * B
+                seq.shared_prefix = (group[src], blocks * B)
+            kv.allocate(seq, seq.num_tokens - seq.num_computed_tokens)
             seq.status = _RUNNING
             running.append(seq)
+        used = 0
+        for seq, (src, _) in zip(group, plan.shared):
+            if src >= 0:
+                continue
+            now -= 1
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget - used - now)  # one token left for each after it
             out.scheduled.append((seq, n))
             used += n
         self._lockstep[req.request_id] = req
@@ -211,7 +252,7 @@ class Scheduler:
             return RequestTooLargeError(
                 f"request {rid}: its {width} beams need {width} tokens in one step, "
                 f"but max_num_tokens is {self.max_num_tokens}")
-        _, need = self._group_blocks(group)
+        need = self._group_plan(group).need
         return RequestTooLargeError(
             f"request {rid}: its {len(group)} beams of {max(s.num_tokens for s in group)} tokens need {need} "
             f"KV-cache blocks together, but the pool has {self.kv.num_blocks} blocks of {self.kv.block_size} "
@@ -228,6 +269,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.shared_prefix is not None and not self._shared_prefix_ready(seq):
+                i += 1  # its blocks are allocated; another sequence of its request computes their start
+                continue
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
             if seq.inflight_row >= 0:  # its sampled token is still on the device

@@ -37,6 +37,11 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_cached_blocks: int = 0  # leading blocks of block_table already registered in the prefix cache
+    # (sequence, tokens) after a lockstep request's re-admission: this sequence's first ``tokens``
+    # tokens lie in blocks it shares with that (earlier) sequence of its request, which computes
+    # them; ``num_computed_tokens`` counts them, but the scheduler gives this sequence nothing to
+    # compute until they are computed (`Scheduler._shared_prefix_ready`), then resets this to None.
+    shared_prefix: Optional[tuple["Sequence", int]] = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None

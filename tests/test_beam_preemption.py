@@ -7,7 +7,9 @@ behind a request that only those blocks would have let in, and the engine steppe
 
 - Scheduler level (no model): a simulated engine over random workloads checks the invariants
   (a beam request's sequences are all running or all waiting, batch slots reserved for its width,
-  the step's budget, block reference counts) and that every request finishes.
+  the step's budget, block reference counts, every attended KV slot holding the sequence's own
+  prefix) and that every request finishes. Re-admission with shared blocks:
+  tests/test_beam_readmission.py.
 - Engine level (a tiny random Llama, CPU): beams under preemption equal transformers' beam search,
   with async scheduling on and off, block reuse on and off (beams share their parents' full blocks)
   and several pool sizes; seeded n>1 / best_of sampling under preemption equals an unpressured run;
@@ -36,6 +38,15 @@ RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, Seq
 
 
 # ---- scheduler level: a simulated engine -------------------------------------------------------
+def _prefix_keys(tokens: list[int]) -> list[int]:
+    """``keys[p]`` stands for ``tokens[:p + 1]``: what the K/V of position ``p`` depends on."""
+    keys, h = [], 0
+    for t in tokens:
+        h = hash((h, t))
+        keys.append(h)
+    return keys
+
+
 class _SimEngine:
     """Drives a `Scheduler` as `EngineCore.step` does, without a model: scheduled tokens become
     computed; a sequence whose tokens are all computed gets a new token, except that a beam request
@@ -50,6 +61,10 @@ class _SimEngine:
         self.reqs: list[Request] = []
         self.errors: dict[int, RequestTooLargeError] = {}
         self.limits: dict[int, int] = {}
+        # What each KV slot holds: a key of the token prefix whose last token's K/V was written there
+        # (`_check_kv`). Shared blocks make this worth checking: a sequence must only ever attend to
+        # positions holding its own prefix's K/V, written in an earlier step.
+        self.slots: dict[int, int] = {}
 
     def add(self, rid: int, prompt_len: int, max_tokens: int, **kw) -> Request:
         params = SamplingParams(max_tokens=max_tokens, **kw)
@@ -80,6 +95,7 @@ class _SimEngine:
                 self.errors[head.request.request_id] = sched.unfit_error(head)
                 self._finish(head.request)
             return
+        self._check_kv(out)
         done: dict[int, list[Sequence]] = {}
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
@@ -98,22 +114,46 @@ class _SimEngine:
                 for seq in seqs:
                     seq.num_computed_tokens -= 1
                 continue
-            for seq in list(req.seqs):
-                seq.token_ids.append(self._token(seq))
-            if req.seqs[0].num_tokens >= self.limits[req.request_id]:
-                self._finish(req)
-                continue
-            while len(req.seqs) < req.max_num_seqs:  # the first step forks the beam to its width
-                parent = req.seqs[0]
-                full = parent.block_table[:parent.num_computed_tokens // kv.block_size]
-                for bid in full:
-                    kv.blocks[bid].ref_count += 1  # held by the parent: never in the free queue
-                fork = Sequence(request=req, index=len(req.seqs), token_ids=list(parent.token_ids), seed=0,
-                                block_table=list(full), num_computed_tokens=len(full) * kv.block_size,
-                                num_cached_blocks=min(parent.num_cached_blocks, len(full)))
-                fork.status = RUNNING
-                sched.running.append(fork)
-                req.seqs.append(fork)
+            self._advance_lockstep(req)
+
+    def _advance_lockstep(self, req: Request) -> None:
+        """Every beam of ``req`` got its logits this step: append their tokens (and fork)."""
+        kv = self.kv
+        for seq in list(req.seqs):
+            seq.token_ids.append(self._token(seq))
+        if req.seqs[0].num_tokens >= self.limits[req.request_id]:
+            self._finish(req)
+            return
+        while len(req.seqs) < req.max_num_seqs:  # the first step forks the beam to its width
+            parent = req.seqs[0]
+            full = parent.block_table[:parent.num_computed_tokens // kv.block_size]
+            for bid in full:
+                kv.blocks[bid].ref_count += 1  # held by the parent: never in the free queue
+            fork = Sequence(request=req, index=len(req.seqs), token_ids=list(parent.token_ids), seed=0,
+                            block_table=list(full), num_computed_tokens=len(full) * kv.block_size,
+                            num_cached_blocks=min(parent.num_cached_blocks, len(full)))
+            fork.status = RUNNING
+            self.sched.running.append(fork)
+            req.seqs.append(fork)
+
+    def _check_kv(self, out) -> None:
+        """Each scheduled sequence attends to its positions before this step's tokens: their slots
+        must hold its own prefix's K/V, written in an earlier step; no slot is written twice in one
+        step. Then this step's writes are recorded."""
+        B = self.kv.block_size
+        written: dict[int, tuple[int, int]] = {}
+        for seq, n in out.scheduled:
+            keys = _prefix_keys(seq.token_ids)
+            table, start = seq.block_table, seq.num_computed_tokens
+            for p in range(start):
+                slot = table[p // B] * B + p % B
+                assert self.slots.get(slot) == keys[p], (seq.request.request_id, seq.seq_id, p, "stale KV")
+            for p in range(start, start + n):
+                slot = table[p // B] * B + p % B
+                assert slot not in written, (seq.seq_id, p, "slot written twice in one step", written[slot])
+                written[slot] = (seq.seq_id, keys[p])
+        for slot, (_, key) in written.items():
+            self.slots[slot] = key
 
     def check(self, out) -> None:
         sched, kv = self.sched, self.kv
@@ -268,19 +308,23 @@ def _mix():
             (PROMPTS[2], SEEDED)]
 
 
-@pytest.fixture(scope="module")
-def unpressured(tiny, tmp_path_factory):
-    """Every request of `_mix` alone in a large pool (no preemption): the seeded and greedy results."""
-    d, _model = tiny
+def _alone(d, items: list[tuple[list[int], SamplingParams]]) -> list:
+    """Each request's result alone in a large pool (no preemption; synchronous engine)."""
     mp = pytest.MonkeyPatch()
     try:
         llm = _llm(d, mp, False, pool_tokens=2048)
         try:
-            return [_drive(llm, [item])[0].result(timeout=0) for item in _mix()]
+            return [_drive(llm, [item])[0].result(timeout=0) for item in items]
         finally:
             llm.shutdown()
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def unpressured(tiny, tmp_path_factory):
+    """Every request of `_mix` alone in a large pool (no preemption): the seeded and greedy results."""
+    return _alone(tiny[0], _mix())
 
 
 def _same_tokens(a, b) -> None:

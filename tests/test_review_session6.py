@@ -7,8 +7,10 @@
    `RequestTooLargeError`, `LLM` refusing a beam width above ``max_batch_size``.
 
 Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
-fix is; all are fixed, the beam re-admission one by the mitigation its docstring names: a lockstep
-request that could not be re-admitted unshared is passed over as a preemption victim); the others
+fix is; all are fixed, the beam re-admission one first by a mitigation (passing over, as preemption
+victim, a lockstep request that could not be re-admitted unshared) and in the seventh session by the
+suggested fix: re-admitted beams share their common full blocks again, tests/test_beam_readmission.py);
+the others
 confirm behaviour the review checked. All CPU tests are fast; the pivot-path tests
 run the Triton kernels under ``TRITON_INTERPRET=1``; two tests compile kernels for sm_90 in a
 subprocess (no GPU needed; skipped without Triton's nvidia backend); ``gpu`` tests need an H200.
@@ -367,7 +369,8 @@ def test_sim_beam_request_that_fits_alone_is_not_preempted_out_of_the_pool(reuse
     beams of a step that did not give every beam logits). Mitigation: in `_preempt_last`, do not
     choose a lockstep request whose unshared need ``sum(blocks_needed(s.num_tokens))`` exceeds
     ``kv.num_blocks`` while another victim exists (tried: removes ~3/4 of random-workload failures,
-    not all: a group re-admitted unshared can still outgrow the pool later)."""
+    not all: a group re-admitted unshared can still outgrow the pool later). Seventh session: the
+    suggested fix replaced the mitigation (engine/scheduler.py `_group_plan`, `_admit_group`)."""
     def run(items):
         sim = _SimEngine(num_blocks=12, block_size=4, max_num_tokens=64, max_batch_size=8, reuse=reuse)
         reqs = [sim.add(rid, prompt, max_tokens, **kw) for rid, (prompt, max_tokens, kw) in enumerate(items)]

@@ -1,29 +1,45 @@
-"""Greedy tokens of TP 2 and PP 2 against one GPU, in float32 and in bf16 (two H200s).
+"""Greedy tokens of TP 2 and PP 2 against one GPU in bf16, and TP 2's batch-1 ITL (two H200s).
 
 Issue 9 asks that TP 2 and PP 2 reproduce the single-GPU greedy tokens of the Llama-3.1-8B-shaped
-model. On random weights the top logits of a step are close together, so in bf16 a different
-summation order (a row-parallel projection's partial sums added by the all-reduce, or cuBLAS
-choosing another split for a half-width matrix) flips near-ties after a few tokens. Running the same
-checkpoint in float32 separates the two explanations: the layouts then differ only by float32
-rounding (relative 1e-7), so a real sharding error would still show as a divergence while rounding
-near-ties almost never do.
+model. On random weights the top logits of a step are close together, so any change in rounding
+flips near-ties after a few tokens. Two causes were found and removed:
 
-For each dtype, one `LLM` per layout on the random model of ``benchmarks/gpu_random_model.py``
-(written once to ``--model-dir``, reused when present): greedy tokens of ``--prompts`` random prompts
-(16..200 tokens) x ``--tokens`` tokens, each compared with the one-GPU layout of the same dtype,
-plus the largest difference of the chosen tokens' log-probabilities over the common prefix.
+- TP: the row-parallel projections (``o_proj``, ``down_proj``) summed bf16-rounded partial products
+  in a bf16 all-reduce, two extra roundings per projection. They now reduce in float32 and round
+  once (``KVPILOT_TP_REDUCE_FP32``, default 1; engine/llama.py), so TP 2 differs from one GPU only
+  by fp32 summation order (the all-reduce's, and attention's context splits over 4 instead of 8 KV
+  heads).
+- PP: one GPU runs prefill steps of up to 256 tokens from CUDA graphs padded to token buckets, the
+  stages ran them eagerly at the real token count, so cuBLAS and the attention kernels saw other
+  shapes (other algorithms and context splits). Parallel ranks now pad those steps the same way
+  (engine/model_runner.py, `prefill_padding`), so a PP 2 stage runs one GPU's kernels at one GPU's
+  shapes: with one request at a time its tokens and logprobs must be one GPU's exactly.
 
-Self-check (exit status 1): in float32 any prompt of TP 2 or PP 2 diverges from TP 1. In bf16 the
-table is information only: there even the first token may part at a near-tie (H200, 2026-11-30:
-TP 2 kept 0 of 8 prompts for 64 tokens, PP 2 5 of 8, one prompt of each at its first token; in
-float32 both kept 8 of 8, BENCHMARKS.md).
+For each dtype, one `LLM` per layout (``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` for that layout's
+environment) on the random model of ``benchmarks/gpu_random_model.py`` (written once to
+``--model-dir``, reused when present): greedy tokens of ``--prompts`` random prompts (16..200 tokens)
+x ``--tokens`` tokens, one request at a time (so every layout runs the same steps), compared with the
+first layout; the chosen tokens' logprobs over the common prefix (max and mean difference); and the
+batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N, median
+of 3 after a warm-up (``--itl-tokens`` N).
 
-    python3 benchmarks/gpu_tp_greedy.py [--dtypes float32,bfloat16] [--prompts 8] [--tokens 64]
+Self-check (exit status 1): in bf16, a PP layout (no TP) whose tokens or logprobs differ from the
+first layout's at all; the TP 2 layout with the fp32 reduction whose logprobs are not closer to one
+GPU's (max difference on the common prefix) than the layout with ``KVPILOT_TP_REDUCE_FP32=0``; in
+float32 (``--dtypes float32,bfloat16``), any layout whose tokens differ. Expected on two H200s: PP 2
+8/8 identical with logprob difference 0; TP 2 with the fp32 reduction most or all prompts identical
+and logprob differences of ~1e-2 or less (bf16 reduction: 0/8, 0.16); TP 2 ITL a few percent above the
+bf16 reduction's (two cast kernels per layer, twice the all-reduce bytes).
+
+    python3 benchmarks/gpu_tp_greedy.py            # nvidia-h200-x2, about 3-4 minutes with model creation
+    python3 benchmarks/gpu_tp_greedy.py --tiny     # CPU dry run (gloo)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,65 +48,106 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from gpu_tp_profile import _layout  # noqa: E402
+
+DEFAULT_LAYOUTS = "1x1,2x1,2x1:KVPILOT_TP_REDUCE_FP32=0,1x2"
 
 
-def run(model: Path, tp: int, pp: int, dtype: str, prompts, tokens: int, device: str):
+def run(model: Path, tp: int, pp: int, dtype: str, prompts, a, device: str) -> dict:
+    """Greedy tokens, their logprobs and the batch-1 ITL of one layout."""
     from kvpilot import LLM, KvCacheConfig, SamplingParams
 
     t0 = time.perf_counter()
     with LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True,
              dtype=dtype, device=device, max_seq_len=1024, max_batch_size=8,
              kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.5)) as llm:
+        load_s = time.perf_counter() - t0
         # One request at a time: every layout then runs the same steps (batch 1), so only the
         # layout differs, never the grouping of requests into steps.
-        outs = [llm.generate(p, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=0))
+        outs = [llm.generate(p, SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True, logprobs=0))
                 for p in prompts]
-    toks = [o.outputs[0].token_ids for o in outs]
-    lps = [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs]
-    return toks, lps, time.perf_counter() - t0
+
+        def timed(n: int) -> float:
+            t = time.perf_counter()
+            llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            return time.perf_counter() - t
+
+        timed(a.itl_tokens + 1)  # warm-up
+        itl = [(timed(a.itl_tokens + 1) - timed(1)) / a.itl_tokens for _ in range(3)]
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "logprobs": [[next(iter(d.values())).logprob for d in o.outputs[0].logprobs] for o in outs],
+            "itl_ms": statistics.median(itl) * 1e3, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def compare(base: dict, res: dict, n_tokens: int) -> dict:
+    """First divergence per prompt, identical prompts, max and mean |logprob difference| on the common prefix."""
+    div = [first_divergence(x, y) for x, y in zip(base["tokens"], res["tokens"])]
+    diffs = [abs(u - v) for d, x, y in zip(div, base["logprobs"], res["logprobs"]) for u, v in list(zip(x, y))[:d]]
+    return {"div": div, "same": sum(d == n_tokens for d in div),
+            "max_dlp": max(diffs, default=0.0), "mean_dlp": statistics.fmean(diffs) if diffs else 0.0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default="/tmp/kvpilot-llama8b-random")
-    ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--layouts", default="1x1,2x1,1x2")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--itl-tokens", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
     a = ap.parse_args()
+    t_start = time.perf_counter()
     shape, device = (TINY, "cpu") if a.tiny else (LLAMA31_8B, "cuda")
-    model = Path(a.model_dir)
+    model = Path(a.model_dir + ("_tiny" if a.tiny else ""))
     if not (model / "config.json").exists():
         write_random_llama(model, shape, dtype=torch.bfloat16, device="cuda" if device == "cuda" else "cpu")
+        print(f"wrote {model} in {time.perf_counter() - t_start:.0f} s", flush=True)
     g = torch.Generator().manual_seed(7)
     lengths = torch.randint(16, 200, (a.prompts,), generator=g).tolist()
     prompts = [torch.randint(3, shape["vocab_size"], (n,), generator=g).tolist() for n in lengths]
-    layouts = [tuple(int(v) for v in s.split("x")) for s in a.layouts.split(",")]
-    ok = True
-    print("| dtype | layout | load+run s | first divergence per prompt (of %d) | identical prompts | max abs logprob diff on the common prefix |"
-          % a.tokens)
-    print("|---|---|---:|---|---:|---:|")
+    layouts = [(text, *_layout(text)) for text in a.layouts.split(",")]
+    failures = []
+    print(f"| dtype | layout | load / total s | batch-1 ITL ms | first divergence per prompt (of {a.tokens}) "
+          "| identical prompts | logprob diff on the common prefix: max / mean |")
+    print("|---|---|---:|---:|---|---:|---:|")
     for dtype in a.dtypes.split(","):
+        results: dict[str, dict] = {}
         base = None
-        for tp, pp in layouts:
-            toks, lps, secs = run(model, tp, pp, dtype, prompts, a.tokens, device)
+        for text, tp, pp, env in layouts:
+            os.environ.update(env)
+            try:
+                res = run(model, tp, pp, dtype, prompts, a, device)
+            finally:
+                for k in env:
+                    os.environ.pop(k, None)
+            head = f"| {dtype} | {text} | {res['load_s']:.0f} / {res['total_s']:.0f} | {res['itl_ms']:.3f} |"
             if base is None:
-                base = (toks, lps)
-                print(f"| {dtype} | TP {tp} x PP {pp} | {secs:.1f} | reference | | |", flush=True)
+                base = res
+                print(f"{head} reference | | |", flush=True)
                 continue
-            div = [first_divergence(x, y) for x, y in zip(base[0], toks)]
-            same = sum(d == a.tokens for d in div)
-            dlp = max((abs(u - v) for d, x, y in zip(div, base[1], lps) for u, v in list(zip(x, y))[:d]), default=0.0)
-            print(f"| {dtype} | TP {tp} x PP {pp} | {secs:.1f} | {div} | {same}/{len(div)} | {dlp:.2e} |", flush=True)
-            if dtype == "float32" and same != len(div):
-                ok = False
-    print("OK" if ok else "FAILED: see the table")
-    return 0 if ok else 1
+            c = results[text] = compare(base, res, a.tokens)
+            print(f"{head} {c['div']} | {c['same']}/{len(c['div'])} | {c['max_dlp']:.2e} / {c['mean_dlp']:.2e} |",
+                  flush=True)
+            if dtype == "float32" and c["same"] != len(c["div"]):
+                failures.append(f"float32 {text}: tokens differ from the first layout")
+            if dtype != "float32" and tp == 1 and pp > 1 and (c["same"] != len(c["div"]) or c["max_dlp"] != 0):
+                failures.append(f"{dtype} {text}: a pipeline layout must give one GPU's tokens and logprobs exactly")
+        fp32_tp, bf16_tp = results.get("2x1"), results.get("2x1:KVPILOT_TP_REDUCE_FP32=0")
+        if dtype != "float32" and fp32_tp and bf16_tp:
+            print(f"TP 2 {dtype}: fp32 reduce max/mean logprob diff {fp32_tp['max_dlp']:.2e} / {fp32_tp['mean_dlp']:.2e}"
+                  f", bf16 reduce {bf16_tp['max_dlp']:.2e} / {bf16_tp['mean_dlp']:.2e}", flush=True)
+            if fp32_tp["max_dlp"] >= bf16_tp["max_dlp"] and bf16_tp["max_dlp"] > 0:
+                failures.append(f"{dtype} TP 2: the fp32 reduction is not closer to one GPU than the bf16 one")
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    for f in failures:
+        print("FAILED:", f)
+    print("OK" if not failures else "FAILED: see above")
+    return 0 if not failures else 1
 
 
 if __name__ == "__main__":

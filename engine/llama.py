@@ -20,6 +20,20 @@ benchmarks/gpu_gemv.py) and otherwise run exactly the unfused ops, so CPU runs a
 compute the same values either way. The ``nn.Linear`` modules stay (weight names, loading and
 tensor-parallel sharding are unchanged); only their forward is bypassed. ``KVPILOT_FUSED_GEMV=0``
 restores the unfused module calls.
+
+Row-parallel reduction in float32 (``KVPILOT_TP_REDUCE_FP32``, default 1, read once when the model is
+built; tensor parallelism with a 16-bit model only): one GPU rounds ``o_proj``'s and ``down_proj``'s
+fp32 accumulation to the model dtype once. Summing per-rank partial products that were each rounded
+to bf16, in a bf16 all-reduce, would round twice more per projection, and on random-weight models
+that moved logits by ~0.1 nat (issue 9). So each rank keeps its partial product in fp32 (the GEMM's
+or fused GEMV's accumulator, ``out_dtype=torch.float32``), the all-reduce sums fp32, the bias is
+added once in fp32 after it, and the sum is rounded once to the model dtype: then the residual add
+of the next RMSNorm sees what one GPU sees, up to the fp32 summation order. The cost: each
+all-reduce moves twice the bytes (``4 * tokens * hidden`` instead of ``2 *``: 16 KB per reduction
+at batch 1 for hidden 4096, latency-bound), plus one cast kernel per reduction (and one bias add on
+models with biases). ``KVPILOT_TP_REDUCE_FP32=0`` restores the bf16 all-reduce of rounded partials
+(tensor-parallel rank 0 then adds the bias inside its GEMM, as before). Every rank holds the whole
+bias of a row-parallel layer (`weights.load_weights`); it is added exactly once either way.
 """
 
 from __future__ import annotations
@@ -40,6 +54,15 @@ from .kernels import gemv as KG
 def fused_gemv_enabled() -> bool:
     """``KVPILOT_FUSED_GEMV`` (default 1): 0 makes decoder layers call their projections unfused."""
     return os.environ.get("KVPILOT_FUSED_GEMV", "1") not in ("0", "false", "False", "no")
+
+
+def tp_reduce_fp32_enabled() -> bool:
+    """``KVPILOT_TP_REDUCE_FP32`` (default 1): row-parallel outputs are summed across tensor-parallel
+    ranks in float32 and rounded once (module docstring); 0 sums rounded 16-bit partials."""
+    return os.environ.get("KVPILOT_TP_REDUCE_FP32", "1") not in ("0", "false", "False", "no")
+
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass
@@ -70,9 +93,34 @@ class ParallelContext:
     tp_group: Optional[object] = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the tensor-parallel group in place (no-op with one rank); returns ``x``."""
         if self.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], matmul,
+                     reduce_fp32: bool) -> torch.Tensor:
+        """A row-parallel projection's output, summed over the tensor-parallel group.
+
+        ``matmul(x, weight, bias, out_dtype)`` computes this rank's partial product ``[T, N]`` (e.g.
+        :func:`kvpilot.kernels.gemv.gemv`); ``bias`` ``[N]`` is the layer's whole bias (every rank
+        holds it) or None. With one rank: ``matmul(x, weight, bias, None)``. With ``reduce_fp32`` and
+        a 16-bit ``x``: fp32 partials (no bias), an fp32 all-reduce, the bias added once in fp32, one
+        rounding to ``x.dtype`` (module docstring). Otherwise rounded partials, rank 0's with the bias,
+        summed in ``x.dtype``. Returns ``[T, N]`` in ``x.dtype``.
+
+        Inside a CUDA graph capture the fp32 partial comes from the graph's memory pool like any
+        other activation, so it is as static as the 16-bit one it replaces.
+        """
+        if self.tp_size == 1:
+            return matmul(x, weight, bias, None)
+        if reduce_fp32 and x.dtype in _HALF_DTYPES:
+            part = matmul(x, weight, None, torch.float32)
+            dist.all_reduce(part, group=self.tp_group)
+            if bias is not None:
+                part.add_(bias)
+            return part.to(x.dtype)
+        return self.all_reduce(matmul(x, weight, bias if self.tp_rank == 0 else None, None))
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +134,11 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext) -> None:
+    """QKV (column parallel), rotary, paged attention, ``o_proj`` (row parallel). ``reduce_fp32``
+    (default: ``KVPILOT_TP_REDUCE_FP32``) is `ParallelContext.row_parallel`'s switch."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext,
+                 reduce_fp32: Optional[bool] = None) -> None:
         super().__init__()
         tp = pc.tp_size
         if cfg.num_attention_heads % tp:
@@ -104,6 +156,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.pc = pc
+        self.reduce_fp32 = tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32
 
     def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache, cos_sin_cache):
         return self.attend(positions, self.qkv_proj(hidden), meta, kv_cache, cos_sin_cache)
@@ -112,8 +165,9 @@ class LlamaAttention(nn.Module):
                fused_gemv: bool = False) -> torch.Tensor:
         """Attention after the QKV projection: rotary + KV write, paged attention, ``o_proj``, all-reduce.
 
-        ``qkv`` ``[T, q_size + 2 * kv_size]`` (this rank's heads); returns ``[T, hidden]``.
-        ``fused_gemv`` runs ``o_proj`` through :func:`kvpilot.kernels.gemv.gemv`.
+        ``qkv`` ``[T, q_size + 2 * kv_size]`` (this rank's heads); returns ``[T, hidden]`` in ``qkv``'s
+        dtype. ``fused_gemv`` runs ``o_proj`` through :func:`kvpilot.kernels.gemv.gemv`; the reduction
+        is `ParallelContext.row_parallel`'s.
         """
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -126,15 +180,15 @@ class LlamaAttention(nn.Module):
         out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 self.scale, meta.max_query_len, meta.max_seq_len)
         out = out.reshape(n, self.q_size)
-        if fused_gemv:
-            out = KG.gemv(out, self.o_proj.weight, self.o_proj.bias)
-        else:
-            out = self.o_proj(out)
-        return self.pc.all_reduce(out)
+        return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias, KG.gemv if fused_gemv else KG.gemv_ref,
+                                    self.reduce_fp32)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, pc: ParallelContext) -> None:
+    """gate/up (column parallel), SiLU-and-mul, ``down_proj`` (row parallel); ``reduce_fp32`` as for
+    `LlamaAttention`."""
+
+    def __init__(self, cfg: ModelConfig, pc: ParallelContext, reduce_fp32: Optional[bool] = None) -> None:
         super().__init__()
         if cfg.intermediate_size % pc.tp_size:
             raise ValueError(f"tensor_parallel_size {pc.tp_size} must divide intermediate_size {cfg.intermediate_size}")
@@ -142,6 +196,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.pc = pc
+        self.reduce_fp32 = tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32
 
     def forward(self, x):
         return self.down(self.gate_up_proj(x))
@@ -149,13 +204,13 @@ class LlamaMLP(nn.Module):
     def down(self, gate_up: torch.Tensor, fused_gemv: bool = False) -> torch.Tensor:
         """SiLU-and-mul, ``down_proj`` and the all-reduce: ``gate_up`` ``[T, 2 * inter]`` -> ``[T, hidden]``.
 
-        ``fused_gemv`` runs the pair through :func:`kvpilot.kernels.gemv.silu_mul_gemv`.
+        ``fused_gemv`` runs the pair through :func:`kvpilot.kernels.gemv.silu_mul_gemv`; the reduction
+        is `ParallelContext.row_parallel`'s.
         """
+        w, b = self.down_proj.weight, self.down_proj.bias
         if fused_gemv:
-            out = KG.silu_mul_gemv(gate_up, self.down_proj.weight, self.down_proj.bias)
-        else:
-            out = self.down_proj(K.silu_and_mul(gate_up))
-        return self.pc.all_reduce(out)
+            return self.pc.row_parallel(gate_up, w, b, KG.silu_mul_gemv, self.reduce_fp32)
+        return self.pc.row_parallel(K.silu_and_mul(gate_up), w, b, KG.gemv_ref, self.reduce_fp32)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -165,13 +220,14 @@ class LlamaDecoderLayer(nn.Module):
 
     ``fused_gemv`` (default: ``KVPILOT_FUSED_GEMV``) routes the projections through the fused
     GEMV dispatchers (module docstring); a plain attribute, so benchmarks may flip it.
+    ``reduce_fp32`` (default: ``KVPILOT_TP_REDUCE_FP32``) goes to the attention and MLP blocks.
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext,
-                 fused_gemv: Optional[bool] = None) -> None:
+                 fused_gemv: Optional[bool] = None, reduce_fp32: Optional[bool] = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, pc)
-        self.mlp = LlamaMLP(cfg, pc)
+        self.self_attn = LlamaAttention(cfg, layer_idx, pc, reduce_fp32)
+        self.mlp = LlamaMLP(cfg, pc, reduce_fp32)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused_gemv = fused_gemv_enabled() if fused_gemv is None else fused_gemv
@@ -246,7 +302,9 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
             self.is_first or (self.is_last and cfg.tie_word_embeddings)) else None
         self.fused_gemv = fused_gemv_enabled()  # read once: KVPILOT_FUSED_GEMV
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv) for i in range(start, end))
+        self.tp_reduce_fp32 = tp_reduce_fp32_enabled()  # read once: KVPILOT_TP_REDUCE_FP32
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv, self.tp_reduce_fp32)
+                                    for i in range(start, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
         if self.is_last and not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))

@@ -19,6 +19,13 @@ On CUDA (TensorRT-LLM's and vLLM's recipe):
 - block tables are mirrored in a persistent host array (`HostBlockTables`) that each step updates
   with the blocks appended since the last one, so a step's host work does not grow with context.
 
+Padded eager prefill (``prefill_pad_buckets``, set by tensor/pipeline-parallel ranks,
+`parallel_worker.StageRunner`): a step that one GPU would replay from a prefill graph runs eagerly
+but padded exactly as that graph pads it (`prefill_padding`: the token bucket, its sequence count,
+``max_query_len`` = the bucket, ``max_seq_len`` = the runner's), so cuBLAS and the attention kernels
+see the shapes one GPU gives them and pick the same algorithms and context splits, hence the same
+rounding (issue 9: unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
+
 Async scheduling (``supports_async_scheduling``; `engine_core` explains the engine's side): a step may
 be planned before the previous step's sampled tokens are read. A `ScheduledSeq` with
 ``inflight_row >= 0`` carries a placeholder id; `set_inflight_tokens` hands over the previous step's
@@ -99,6 +106,34 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return _DTYPES[kv_dtype]
 
 
+def prefill_padding(seqs: list[ScheduledSeq], buckets: list[int], max_batch_size: int,
+                    max_blocks_per_seq: int) -> Optional[tuple[int, int]]:
+    """``(tokens, sequences)`` a single-GPU prefill CUDA graph runs ``seqs`` at, or None when one GPU
+    would run them eagerly (no chunk of two or more tokens, too many tokens or sequences, prompt
+    logprobs, or a block table past ``max_blocks_per_seq``).
+
+    ``buckets``: the prefill graphs' padded token counts, ascending (`cuda_graphs.default_token_buckets`);
+    the bucket of ``T`` tokens holds ``min(T, max_batch_size)`` sequences. The same decision and
+    shapes as `cuda_graphs.PrefillGraphs.can_run` / ``prepare``.
+    """
+    if not seqs or not buckets:
+        return None
+    top = buckets[-1]
+    if len(seqs) > min(top, max_batch_size):
+        return None
+    tokens, longest = 0, 0
+    for s in seqs:
+        if s.all_logits or len(s.block_table) > max_blocks_per_seq:
+            return None
+        n = len(s.token_ids)
+        tokens += n
+        longest = max(longest, n)
+    if longest <= 1 or tokens > top:
+        return None
+    padded = next(t for t in buckets if t >= tokens)
+    return padded, min(padded, max_batch_size)
+
+
 def cuda_graphs_enabled() -> bool:
     """``KVPILOT_CUDA_GRAPHS`` (default 1): set to 0 to run every step eagerly (debugging)."""
     return os.environ.get("KVPILOT_CUDA_GRAPHS", "1") not in ("0", "false", "False", "no")
@@ -153,6 +188,8 @@ class ModelRunner:
     after weights and profiling, before the fraction), ``profile_peak_bytes``, ``num_blocks``,
     ``bytes_per_block``, ``graphs`` (a `DecodeGraphs` or None), ``prefill_graphs`` (a
     `PrefillGraphs` or None). ``block_tables``: the `HostBlockTables` every input path reads.
+    ``prefill_pad_buckets``: None (default), or the token buckets eager prefill steps are padded to
+    (module docstring; set by `parallel_worker.StageRunner`).
 
     Raises:
         MemoryError: no room for even one KV block.
@@ -175,6 +212,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(dtype, cfg, self.device)
         self.block_size = kv_config.tokens_per_block
+        self.prefill_pad_buckets: Optional[list[int]] = None
         cfg.raw["_model_dir"] = str(model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
@@ -277,9 +315,15 @@ class ModelRunner:
 
         All index arithmetic is numpy on one pinned int64 staging buffer, sent in one copy. Rows of
         sequences that sample give their last token's logits, ``all_logits`` ones every token's.
+        With ``prefill_pad_buckets`` a step `prefill_padding` accepts is padded as a prefill graph
+        pads it: ids and positions 0 and slots -1 for padded tokens, empty query ranges for padded
+        sequences; the tensors then have the padded sizes, the sample indices stay the real rows.
         """
         B = self.block_size
         n = len(seqs)
+        pad = None
+        if self.prefill_pad_buckets is not None:
+            pad = prefill_padding(seqs, self.prefill_pad_buckets, self.max_batch_size, self.max_blocks_per_seq)
         qlens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
         T = int(qlens.sum())
         starts = np.fromiter((s.start_pos for s in seqs), np.int64, n)
@@ -299,33 +343,41 @@ class ModelRunner:
             keep[qsl[1:][sample] - 1] = True
             sample_idx = np.flatnonzero(keep).tolist()
         S = len(sample_idx)
+        Tp, Sp = pad if pad is not None else (T, n)  # padded token and sequence counts
         # Layout of the staging buffer: ids | pos | slots | seq_lens | qsl | tables | sample_idx, each
         # part starting on a 64-byte boundary: Triton specialises kernels on 16-byte pointer
         # alignment, so a part at an odd offset (pos after an odd token count) compiled a second
         # variant of each kernel that reads it, mid-run (a 190 ms stall seen on an H200).
-        sizes = [T, T, T, n, n + 1, n * width, S]
+        sizes = [Tp, Tp, Tp, Sp, Sp + 1, Sp * width, S]
         offs = np.zeros(len(sizes) + 1, np.int64)
         np.cumsum([-(-k // 8) * 8 for k in sizes], out=offs[1:])
         buf = self._staging.take(int(offs[-1]))
         parts = (np.fromiter(chain.from_iterable(s.token_ids for s in seqs), np.int64, T), pos, slots,
                  starts + qlens, qsl, tables.reshape(-1), sample_idx)
-        for o, k, a in zip(offs, sizes, parts):
-            buf[o:o + k] = a
+        # Padding (as `cuda_graphs.PrefillGraphs.prepare`): token id 0 at position 0 writing no KV
+        # (slot -1); sequences with no context and an empty query range at the end of the real ones.
+        fills = (0, 0, -1, 0, T, 0, 0)
+        for o, k, a, fill in zip(offs, sizes, parts, fills):
+            m = len(a)
+            buf[o:o + m] = a
+            if m < k:
+                buf[o + m:o + k] = fill
         dev = self._staging.send(int(offs[-1]), self.device)
         part = [dev[offs[i]:offs[i] + sizes[i]] for i in range(7)]
         meta = AttentionMetadata(
             slot_mapping=part[2],
-            block_tables=part[5].view(n, width).to(torch.int32),
+            block_tables=part[5].view(Sp, width).to(torch.int32),
             seq_lens=part[3].to(torch.int32),
             query_start_loc=part[4].to(torch.int32),
-            max_query_len=int(qlens.max()),
-            max_seq_len=int((starts + qlens).max()),
+            max_query_len=Tp if pad is not None else int(qlens.max()),
+            max_seq_len=self.max_seq_len if pad is not None else int((starts + qlens).max()),
         )
         return part[0], part[1], meta, sample_idx, part[6]
 
     def prepare(self, seqs: list[ScheduledSeq]):
         """Flatten a schedule into (input_ids [T] int64, positions [T] int64, AttentionMetadata,
-        sample indices: list of rows of the flat batch whose logits the step returns)."""
+        sample indices: list of rows of the flat batch whose logits the step returns). ``T`` is the
+        padded token count when ``prefill_pad_buckets`` pads the step (`_prepare`)."""
         ids, pos, meta, sample_idx, _ = self._prepare(seqs)
         return ids, pos, meta, sample_idx
 

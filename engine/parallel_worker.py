@@ -21,6 +21,15 @@ the sends and receives stay outside the graphs. Every rank takes the same graph-
 a micro-batch (the plan and the batch sizes are the same everywhere), so the padded shapes of a send
 and its receive agree. Steps with a prefill chunk run eagerly. See `rank_graphs_enabled` for the
 switches.
+
+Same shapes as one GPU (issue 9): one GPU replays prefill steps of up to 256 tokens from graphs
+captured at padded token counts, so on CUDA every rank pads such eager steps (a whole step, or one
+micro-batch) the same way (`model_runner.prefill_padding`; off where one GPU would not graph them:
+``KVPILOT_CUDA_GRAPHS=0``, ``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at
+the same shapes as one GPU on their layers, and a request alone in the engine gets one GPU's greedy
+tokens. With several requests in a step, micro-batching (``KVPILOT_PP_MICROBATCH``, default 1) cuts
+the step into smaller batches than one GPU runs, so their shapes, and so the bf16 rounding of their
+matrix products, can still differ from one GPU's; ``KVPILOT_PP_MICROBATCH=0`` keeps whole steps.
 """
 
 from __future__ import annotations
@@ -76,6 +85,21 @@ def rank_graphs_enabled(tp_size: int, pipelined: bool) -> bool:
     if tp_size > 1 and not _env_flag("KVPILOT_TP_CUDA_GRAPHS"):
         return False
     return not (pipelined and not _env_flag("KVPILOT_PP_CUDA_GRAPHS"))
+
+
+def single_gpu_prefill_buckets(max_num_tokens: int) -> Optional[list[int]]:
+    """The padded token counts of the prefill graphs one GPU captures at ``max_num_tokens`` (CUDA),
+    or None when its prefill graphs are off (``KVPILOT_CUDA_GRAPHS=0`` or ``KVPILOT_PREFILL_GRAPHS=0``).
+
+    Raises:
+        ValueError: a bad ``KVPILOT_PREFILL_GRAPH_TOKENS``.
+    """
+    from .cuda_graphs import default_token_buckets, prefill_graph_tokens
+    from .model_runner import cuda_graphs_enabled, prefill_graphs_enabled
+
+    if not (cuda_graphs_enabled() and prefill_graphs_enabled()):
+        return None
+    return default_token_buckets(max_num_tokens, prefill_graph_tokens())
 
 
 def step_timing_enabled() -> bool:
@@ -266,7 +290,9 @@ class StageRunner(ModelRunner):
     instead, so `_forward` gives it zeros of the right shape when it has none.
 
     On CUDA it captures decode graphs (``graphs``, a `DecodeGraphs`, in stage mode for a pipeline
-    stage) after the KV pool is sized, from the memory the pool leaves (`rank_graphs_enabled`).
+    stage) after the KV pool is sized, from the memory the pool leaves (`rank_graphs_enabled`), and
+    pads eager prefill steps as one GPU's prefill graphs would (``prefill_pad_buckets``, module
+    docstring).
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -278,6 +304,8 @@ class StageRunner(ModelRunner):
         # leaves this rank eager and `Worker` makes every rank follow (its start-up all-reduce).
         whole = self.model.is_first and self.model.is_last
         tp = self.model.pc.tp_size
+        if self.device.type == "cuda" and self.prefill_graphs is None:
+            self.prefill_pad_buckets = single_gpu_prefill_buckets(self.max_num_tokens)
         if (self.graphs is None and self.device.type == "cuda" and (tp > 1 or not whole)  # else the base's
                 and rank_graphs_enabled(tp, not whole)):
             from .cuda_graphs import DecodeGraphs, capture_all
@@ -398,7 +426,7 @@ class Worker:
                 offset += len(mb)
                 continue
             ids, pos, meta, sample_idx = runner.prepare(mb)
-            n = ids.shape[0]
+            n = ids.shape[0]  # padded like one GPU's prefill graph where it would use one (module docstring)
             hidden = residual = None
             if not self.is_first:
                 buf = torch.empty((2, n, spec.cfg.hidden_size), dtype=runner.dtype, device=runner.device)
@@ -411,7 +439,7 @@ class Worker:
             elif sample_idx:
                 logits.append(runner.model.compute_logits(out[torch.tensor(sample_idx, device=runner.device)]))
                 rows.extend(offset + i for i in sample_idx)
-            offset += n
+            offset += sum(len(s.token_ids) for s in mb)  # real tokens: rows index the unpadded step
         for work, _buf in sends:
             work.wait()
         if not self.is_last:

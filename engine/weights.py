@@ -3,6 +3,10 @@
 Each rank reads only its shard of each tensor (``safe_open(...).get_slice``), straight onto the
 target device. Hugging Face names map onto kvpilot's fused projections: q/k/v -> ``qkv_proj``,
 gate/up -> ``gate_up_proj``.
+
+Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
+holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
+all-reduce, or inside rank 0's GEMM with ``KVPILOT_TP_REDUCE_FP32=0``).
 """
 
 from __future__ import annotations
@@ -115,15 +119,15 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                         slice(off, off + kv_count * hd))
                 elif rest == "self_attn.o_proj.weight":
                     put(prefix + "self_attn.o_proj.weight", sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
-                elif rest == "self_attn.o_proj.bias":
-                    put(prefix + "self_attn.o_proj.bias", sl[:] if r == 0 else torch.zeros(sl.get_shape()))
+                elif rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
+                    put(prefix + "self_attn.o_proj.bias", sl[:])
                 elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
                     off = 0 if ".gate_proj." in rest else inter
                     put(prefix + f"mlp.gate_up_proj.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
                 elif rest == "mlp.down_proj.weight":
                     put(prefix + "mlp.down_proj.weight", sl[:, r * inter:(r + 1) * inter])
                 elif rest == "mlp.down_proj.bias":
-                    put(prefix + "mlp.down_proj.bias", sl[:] if r == 0 else torch.zeros(sl.get_shape()))
+                    put(prefix + "mlp.down_proj.bias", sl[:])
                 elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                     put(prefix + rest, sl[:])
     missing = [n for n in params if n not in loaded]

@@ -11,6 +11,10 @@ the norm and the activation into the product that consumes them:
 - ``gemv(x, W)``: ``y = x @ W.T``.
 
 ``W`` is an ``nn.Linear`` weight, ``[N, K]`` row-major; every op takes an optional ``bias`` ``[N]``.
+``gemv`` and ``silu_mul_gemv`` also take ``out_dtype``: ``torch.float32`` returns the fp32
+accumulator (plus bias) unrounded, for a tensor-parallel row-parallel layer that sums partial
+products across ranks before rounding once (engine/llama.py); the default (None) is the input dtype,
+bit-identical to calling without it.
 Each op has a ``*_ref`` (PyTorch: the references of ``reference.py`` + ``F.linear``), a
 ``*_triton`` (any ``M <= MAX_TRITON_ROWS``) and a dispatcher: Triton for CUDA inputs of at most
 ``FUSED_MAX_ROWS[op]`` rows, where it measured faster than the unfused pair on an H200 (M = 1;
@@ -58,7 +62,7 @@ try:  # the references and dispatchers work without Triton
     import triton
     import triton.language as tl
 
-    from .pdl import launch_options, pdl_enter, pdl_mode
+    from .pdl import launch_options, pdl_mode, pdl_trigger, pdl_wait
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
@@ -103,22 +107,47 @@ def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     _check_linear(gate_up.shape[1] // 2, weight, bias, "silu_mul_gemv")
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _check_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
+    """True when ``out_dtype`` asks for an output other than ``x.dtype`` (only float32 may)."""
+    if out_dtype is None or out_dtype == x.dtype:
+        return False
+    if out_dtype != torch.float32:
+        raise ValueError(f"out_dtype must be None, the input dtype or torch.float32, got {out_dtype}")
+    return True
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``F.linear``, or with ``out_dtype=torch.float32`` its fp32 accumulator (bias added in fp32),
+    unrounded: ``torch.mm(..., out_dtype=torch.float32)`` (cuBLAS, fp16/bf16 inputs, CUDA only);
+    elsewhere ``F.linear`` on the inputs converted to float32 (exact: 16-bit values are fp32 values)."""
+    if not _check_out_dtype(x, out_dtype):
+        return F.linear(x, weight, bias)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        y = torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return y if bias is None else y.add_(bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` (``F.linear``).
 
     Args:
         x: ``[M, K]``. weight: ``[N, K]``, same dtype. bias: optional ``[N]``.
+        out_dtype: None (``x.dtype``) or ``torch.float32``: the fp32 accumulator plus bias,
+            unrounded (``torch.mm(..., out_dtype=torch.float32)`` for 16-bit CUDA inputs).
 
     Returns:
-        ``[M, N]`` in ``x.dtype``.
+        ``[M, N]`` in ``out_dtype`` (default ``x.dtype``).
 
     Raises:
-        ValueError: on mismatched shapes.
+        ValueError: on mismatched shapes, or another ``out_dtype``.
     """
     if x.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K], got {tuple(x.shape)}")
     _check_linear(x.shape[1], weight, bias, "gemv")
-    return F.linear(x, weight, bias)
+    return _linear(x, weight, bias, out_dtype)
 
 
 def rmsnorm_gemv_ref(
@@ -151,22 +180,24 @@ def rmsnorm_gemv_ref(
 
 
 def silu_mul_gemv_ref(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``F.linear(silu_and_mul_ref(gate_up), weight, bias)``.
 
     Args:
         gate_up: ``[M, 2 * I]``, gate in the first half, up in the second.
         weight: ``[N, I]`` in ``gate_up.dtype``. bias: optional ``[N]``.
+        out_dtype: as for :func:`gemv_ref` (the activation is still rounded to ``gate_up.dtype``).
 
     Returns:
-        ``[M, N]`` in ``gate_up.dtype``.
+        ``[M, N]`` in ``out_dtype`` (default ``gate_up.dtype``).
 
     Raises:
-        ValueError: on an odd last dimension or mismatched shapes.
+        ValueError: on an odd last dimension, mismatched shapes, or another ``out_dtype``.
     """
     _check_silu(gate_up, weight, bias)
-    return F.linear(silu_and_mul_ref(gate_up), weight, bias)
+    return _linear(silu_and_mul_ref(gate_up), weight, bias, out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +332,9 @@ if triton is not None:
         # never stored, so the loads need no predicate.
         rows = tl.minimum(offs_m, M - 1).to(tl.int64)
         arange_k = tl.arange(0, BLOCK_K)
-        pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+        # kernels/pdl.py: wait before any memory access; the next kernel is let in (`pdl_trigger`)
+        # only when this program starts its last column tile (measured faster than at entry).
+        pdl_wait(USE_PDL)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1:
@@ -323,7 +356,10 @@ if triton is not None:
 
         # Column tiles pid, pid + grid, ...: one per program, or several when the launch caps the
         # grid (persistent programs amortise the RMSNorm pass over their tiles).
-        for tile in range(pid, tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        num_tiles = tl.cdiv(N, BLOCK_N)
+        for tile in range(pid, num_tiles, tl.num_programs(0)):
+            if tile + tl.num_programs(0) >= num_tiles:
+                pdl_trigger(USE_PDL)
             offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
             cols = tl.minimum(offs_n, N - 1).to(tl.int64)
             w_rows = w_ptr + cols[:, None] * stride_wn
@@ -382,6 +418,7 @@ def _launch(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if triton is None:
         raise RuntimeError("the Triton GEMV kernels need the triton package")
@@ -397,7 +434,8 @@ def _launch(
     cfg = config or gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
     if m > cfg["block_m"]:
         raise ValueError(f"{m} rows exceed the launch configuration's block_m={cfg['block_m']}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    # The kernel accumulates in fp32 and rounds only in its store, to y's dtype.
+    y = torch.empty(m, n, dtype=torch.float32 if _check_out_dtype(x, out_dtype) else x.dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else None
     if m == 0 or n == 0:
         return y, h
@@ -426,9 +464,11 @@ def _launch(
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Triton version of :func:`gemv_ref` for ``M <= MAX_TRITON_ROWS`` rows (same contract).
+    """Triton version of :func:`gemv_ref` for ``M <= MAX_TRITON_ROWS`` rows (same contract,
+    ``out_dtype`` included: float32 stores the kernel's fp32 accumulator plus bias unrounded).
 
     ``config`` overrides :func:`gemv_config` (benchmarks). Raises ValueError also when the weight is
     not contiguous along K, its dtype differs from ``x``'s, or ``M`` exceeds the configuration.
@@ -436,7 +476,7 @@ def gemv_triton(
     if x.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K], got {tuple(x.shape)}")
     _check_linear(x.shape[1], weight, bias, "gemv")
-    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config)[0]
+    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 def rmsnorm_gemv_triton(
@@ -470,15 +510,16 @@ def rmsnorm_gemv_triton(
 
 
 def silu_mul_gemv_triton(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`silu_mul_gemv_ref` for ``M <= MAX_TRITON_ROWS``, one launch (same
-    contract).
+    contract, ``out_dtype`` included).
 
     Errors as :func:`gemv_triton`, plus ValueError on an odd last dimension.
     """
     _check_silu(gate_up, weight, bias)
-    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config)[0]
+    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -502,16 +543,19 @@ def _unfused_rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias=None):
     return F.linear(out[0], weight, bias), out[1]
 
 
-def _unfused_silu_mul_gemv(gate_up, weight, bias=None):
+def _unfused_silu_mul_gemv(gate_up, weight, bias=None, out_dtype=None):
     from . import silu_and_mul
 
-    return F.linear(silu_and_mul(gate_up), weight, bias)
+    return _linear(silu_and_mul(gate_up), weight, bias, out_dtype)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: Triton for CUDA ``x`` of at most ``FUSED_MAX_ROWS["plain"]``
-    rows, else ``F.linear``. See :func:`gemv_ref`."""
-    return (gemv_triton if _use_triton(x, "plain") else gemv_ref)(x, weight, bias)
+    rows, else ``F.linear`` (``torch.mm`` with ``out_dtype`` float32). See :func:`gemv_ref`."""
+    if _use_triton(x, "plain"):
+        return gemv_triton(x, weight, bias, out_dtype=out_dtype)
+    return gemv_ref(x, weight, bias, out_dtype)
 
 
 def rmsnorm_gemv(
@@ -535,14 +579,16 @@ def rmsnorm_gemv(
 
 
 def silu_mul_gemv(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """SiLU-and-mul + linear: one Triton launch for CUDA inputs of at most
-    ``FUSED_MAX_ROWS["silu"]`` rows; otherwise :func:`kvpilot.kernels.silu_and_mul` followed by ``F.linear``.
+    ``FUSED_MAX_ROWS["silu"]`` rows; otherwise :func:`kvpilot.kernels.silu_and_mul` followed by ``F.linear``
+    (``torch.mm`` with ``out_dtype`` float32).
 
-    See :func:`silu_mul_gemv_ref` for shapes and errors.
+    See :func:`silu_mul_gemv_ref` for shapes, ``out_dtype`` and errors.
     """
     if _use_triton(gate_up, "silu"):
-        return silu_mul_gemv_triton(gate_up, weight, bias)
+        return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype)
     _check_silu(gate_up, weight, bias)
-    return _unfused_silu_mul_gemv(gate_up, weight, bias)
+    return _unfused_silu_mul_gemv(gate_up, weight, bias, out_dtype)

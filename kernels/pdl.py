@@ -4,13 +4,15 @@ A kernel launched with PDL may be scheduled while the kernel before it in the st
 running: its programs start, and ``griddepcontrol.wait`` (Triton: ``gdc_wait``) blocks each of them
 until that kernel has finished and its memory writes are visible. Each kernel here also calls
 ``griddepcontrol.launch_dependents`` (``gdc_launch_dependents``) on entry, so the next PDL kernel is
-scheduled as early as possible. The gap between two kernels (the next one's launch and its programs'
+scheduled as early as possible; the batch-1 GEMVs (kernels/gemv.py) call it later, when a program
+starts its last column tile (`pdl_wait` on entry, `pdl_trigger` then): 129.5 against 130.8 us per
+decoder layer, three runs each (H200, BENCHMARKS.md seventh session). The gap between two kernels (the next one's launch and its programs'
 start) then overlaps the previous kernel's last programs; the CUDA Programming Guide, "Programmatic
 Dependent Launch and Synchronization", describes the mechanism. CUDA graphs keep these programmatic
 edges when the launches are captured.
 
-Rules the kernels follow: `pdl_enter` runs first, before any load or store of memory another kernel
-writes or reads. A kernel that never calls ``gdc_wait`` must not be launched with PDL; a kernel
+Rules the kernels follow: `pdl_enter` (or `pdl_wait`) runs first, before any load or store of
+memory another kernel writes or reads. A kernel that never calls ``gdc_wait`` must not be launched with PDL; a kernel
 launched without PDL that calls it does not wait (the instruction returns at once).
 
 ``KVPILOT_PDL`` (read at each launch, so a CUDA graph keeps the value it was captured with): on by
@@ -67,6 +69,21 @@ def pdl_mode(device: torch.device, rows: int) -> int:
 def launch_options(mode: int) -> dict:
     """Extra launch keywords of a launch with `pdl_mode` ``mode``."""
     return {"launch_pdl": True} if mode else {}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait for the kernels before this one (no-op when ``USE_PDL`` is false); for kernels that call
+    `pdl_trigger` later themselves."""
+    if USE_PDL:
+        gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next PDL kernel be scheduled (no-op when ``USE_PDL`` is false)."""
+    if USE_PDL:
+        gdc_launch_dependents()
 
 
 @triton.jit

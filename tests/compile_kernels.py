@@ -417,6 +417,9 @@ def _gemv(sh: Shard, m):
         G.gemv_triton(a_o, w_o)  # o_proj
         G.gemv_triton(a_o, w_o, torch.empty(HIDDEN, dtype=BF16))  # o_proj of a model with attention_bias
         G.silu_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down)  # down_proj
+        # tensor parallelism's row-parallel layers: the fp32 accumulator stored unrounded
+        G.gemv_triton(a_o, w_o, out_dtype=torch.float32)
+        G.silu_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down, out_dtype=torch.float32)
 
     return case
 

@@ -12,8 +12,6 @@ replays a graph by re-running its captured body on the static buffers).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import pickle
 from pathlib import Path
 
 import pytest
@@ -138,6 +136,7 @@ _REPLAYS = [1, 3, 2, 2, 2, 3]
 def test_pipeline_worker_stage_graphs_match_eager(model_dir):
     from kvpilot.parallel import make_worker_spec
     from kvpilot.parallel_worker import split_microbatches
+    from parallel_exact_helpers import spawn_ranks
     from stage_graph_helpers import stage_graph_rank
 
     plans = _plans()
@@ -147,27 +146,7 @@ def test_pipeline_worker_stage_graphs_match_eager(model_dir):
     spec = make_worker_spec(model_dir, ModelConfig.from_dir(model_dir), _kv(), 64, MAX_BS, MAX_SEQ, "cpu", "float32",
                             1, pp, None)
     spec.timeout_s = 120
-    ctx = mp.get_context("spawn")
-    conns, procs = [], []
-    for rank in range(pp):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=stage_graph_rank, args=(rank, spec, plans, child), daemon=True)
-        p.start()
-        child.close()
-        conns.append(parent)
-        procs.append(p)
-    try:
-        answers = {}
-        for conn in conns:
-            assert conn.poll(180), "a rank did not answer"
-            kind, rank, payload = pickle.loads(conn.recv_bytes())
-            assert kind == "ok", f"rank {rank} failed:\n{payload}"
-            answers[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    answers = spawn_ranks(stage_graph_rank, lambda rank: (spec, plans), world=pp, timeout_s=180)
     for rank in range(pp):
         for i, (eager, graphed) in enumerate(answers[rank]):
             assert [n for _, n in graphed] == [_REPLAYS[i]] * 2, (rank, i)

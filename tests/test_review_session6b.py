@@ -112,8 +112,9 @@ _MEMORY_CALLS = ("tl.load", "tl.store", "tl.atomic", "tl.make_block_ptr", "tl.ma
 def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
     """Source-level pairing, for launch sites the compile cases may not reach: a launch with
     ``**launch_options(m)`` passes ``USE_PDL=m > 0`` to a kernel with a ``USE_PDL`` parameter, and
-    such a kernel calls ``pdl_enter(USE_PDL)`` in its top-level body with no memory access (nor a
-    call of another helper) in the statements before it."""
+    such a kernel calls ``pdl_enter(USE_PDL)`` (or ``pdl_wait(USE_PDL)``, then ``pdl_trigger`` later)
+    in its top-level body with no memory access (nor a call of another helper) in the statements
+    before it."""
     launches = []
     for fname, tree in _kernel_sources().items():
         jits = _jit_functions(tree)
@@ -133,8 +134,11 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
         for name, fn in jits.items():
             if "USE_PDL" not in [a.arg for a in fn.args.args] or fname == "pdl.py":
                 continue
-            calls = [i for i, st in enumerate(fn.body) if ast.unparse(st).strip() == "pdl_enter(USE_PDL)"]
-            assert calls, f"{fname}: {name} has USE_PDL but does not call pdl_enter(USE_PDL) at top level"
+            calls = [i for i, st in enumerate(fn.body)
+                     if ast.unparse(st).strip() in ("pdl_enter(USE_PDL)", "pdl_wait(USE_PDL)")]
+            assert calls, f"{fname}: {name} has USE_PDL but does not call pdl_enter/pdl_wait(USE_PDL) at top level"
+            if ast.unparse(fn.body[calls[0]]).strip() == "pdl_wait(USE_PDL)":
+                assert "pdl_trigger(USE_PDL)" in ast.unparse(fn), f"{fname}: {name} waits but never triggers"
             before = "\n".join(ast.unparse(st) for st in fn.body[:calls[0]])
             called = {ast.unparse(n.func) for n in ast.walk(ast.parse(before or "pass")) if isinstance(n, ast.Call)}
             assert not [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits], (fname, name, called)

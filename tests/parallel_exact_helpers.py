@@ -94,8 +94,8 @@ def _send(conn, msg) -> None:
 
 
 def tp_reduce_rank(rank: int, init_method: str, model_dir: str, conn) -> None:
-    """TP 2 rank: greedy steps of `PROMPTS` in bf16 with the fp32 reduce (the default, variable unset)
-    and with ``KVPILOT_TP_REDUCE_FP32=0``, and in float32; rank 0 also runs the single-process model
+    """TP 2 rank: greedy steps of `PROMPTS` in bf16 with the fp32 reduce (``KVPILOT_TP_REDUCE_FP32=1``)
+    and with the default bf16 one (variable unset), and in float32; rank 0 also runs the single-process model
     in both dtypes. Results: {"tp": {(dtype, mode): (logits, tokens, reduce_fp32 flag)}, "single":
     {dtype: (logits, tokens)}, "o_bias": this rank's loaded o_proj bias of layer 0,
     "down_bias": its down_proj bias of layer 0}."""
@@ -109,7 +109,7 @@ def tp_reduce_rank(rank: int, init_method: str, model_dir: str, conn) -> None:
         pc = ParallelContext(rank, 2, None)
         res = {"tp": {}, "single": {}}
         with torch.inference_mode():
-            for dtype, mode in (("bfloat16", None), ("bfloat16", "0"), ("float32", None)):
+            for dtype, mode in (("bfloat16", "1"), ("bfloat16", None), ("float32", "1")):
                 if mode is None:
                     os.environ.pop("KVPILOT_TP_REDUCE_FP32", None)
                 else:

@@ -74,7 +74,7 @@ def test_pp2_bf16_is_one_gpu_exactly(model_dir, one_gpu, monkeypatch):
 
 
 def test_tp2_fp32_reduce_is_closer_to_one_gpu_than_bf16_reduce(model_dir, one_gpu, monkeypatch):
-    fp32 = _greedy(model_dir, 2, 1, monkeypatch)
+    fp32 = _greedy(model_dir, 2, 1, monkeypatch, {"KVPILOT_TP_REDUCE_FP32": "1"})
     bf16 = _greedy(model_dir, 2, 1, monkeypatch, {"KVPILOT_TP_REDUCE_FP32": "0"})
     d32, d16 = _logprob_diffs(one_gpu, fp32), _logprob_diffs(one_gpu, bf16)
     same32 = sum(a == b for a, b in zip(fp32[0], one_gpu[0]))

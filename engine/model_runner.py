@@ -310,19 +310,20 @@ class ModelRunner:
         return max(free - peak, 0)
 
     # ---- inputs ------------------------------------------------------------------------------
-    def _prepare(self, seqs: list[ScheduledSeq]):
+    def _prepare(self, seqs: list[ScheduledSeq], pad_ok: bool = True):
         """Flatten a schedule; returns (ids, positions, meta, sample index list, sample index tensor).
 
         All index arithmetic is numpy on one pinned int64 staging buffer, sent in one copy. Rows of
         sequences that sample give their last token's logits, ``all_logits`` ones every token's.
-        With ``prefill_pad_buckets`` a step `prefill_padding` accepts is padded as a prefill graph
-        pads it: ids and positions 0 and slots -1 for padded tokens, empty query ranges for padded
-        sequences; the tensors then have the padded sizes, the sample indices stay the real rows.
+        With ``prefill_pad_buckets`` (and ``pad_ok``) a step `prefill_padding` accepts is padded as a
+        prefill graph pads it: ids and positions 0 and slots -1 for padded tokens, empty query ranges
+        for padded sequences; the tensors then have the padded sizes, the sample indices stay the
+        real rows.
         """
         B = self.block_size
         n = len(seqs)
         pad = None
-        if self.prefill_pad_buckets is not None:
+        if pad_ok and self.prefill_pad_buckets is not None:
             pad = prefill_padding(seqs, self.prefill_pad_buckets, self.max_batch_size, self.max_blocks_per_seq)
         qlens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
         T = int(qlens.sum())
@@ -374,11 +375,12 @@ class ModelRunner:
         )
         return part[0], part[1], meta, sample_idx, part[6]
 
-    def prepare(self, seqs: list[ScheduledSeq]):
+    def prepare(self, seqs: list[ScheduledSeq], pad_ok: bool = True):
         """Flatten a schedule into (input_ids [T] int64, positions [T] int64, AttentionMetadata,
         sample indices: list of rows of the flat batch whose logits the step returns). ``T`` is the
-        padded token count when ``prefill_pad_buckets`` pads the step (`_prepare`)."""
-        ids, pos, meta, sample_idx, _ = self._prepare(seqs)
+        padded token count when ``prefill_pad_buckets`` pads the step (`_prepare`); ``pad_ok=False``
+        never pads (a pipeline micro-batch of a step one GPU would not pad: `parallel_worker.Worker`)."""
+        ids, pos, meta, sample_idx, _ = self._prepare(seqs, pad_ok)
         return ids, pos, meta, sample_idx
 
     def _forward(self, ids, pos, meta, caches, hidden=None, residual=None):

@@ -23,13 +23,16 @@ and its receive agree. Steps with a prefill chunk run eagerly. See `rank_graphs_
 switches.
 
 Same shapes as one GPU (issue 9): one GPU replays prefill steps of up to 256 tokens from graphs
-captured at padded token counts, so on CUDA every rank pads such eager steps (a whole step, or one
-micro-batch) the same way (`model_runner.prefill_padding`; off where one GPU would not graph them:
-``KVPILOT_CUDA_GRAPHS=0``, ``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at
-the same shapes as one GPU on their layers, and a request alone in the engine gets one GPU's greedy
-tokens. With several requests in a step, micro-batching (``KVPILOT_PP_MICROBATCH``, default 1) cuts
-the step into smaller batches than one GPU runs, so their shapes, and so the bf16 rounding of their
-matrix products, can still differ from one GPU's; ``KVPILOT_PP_MICROBATCH=0`` keeps whole steps.
+captured at padded token counts, so on CUDA every rank pads such eager steps the same way
+(`model_runner.prefill_padding`; off where one GPU would not graph them: ``KVPILOT_CUDA_GRAPHS=0``,
+``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at the same shapes as one GPU
+on their layers, and a request alone in the engine gets one GPU's greedy tokens. With several
+requests in a step, micro-batching (``KVPILOT_PP_MICROBATCH``, default 1) cuts the step into smaller
+batches than one GPU runs, so their shapes, and so the bf16 rounding of their matrix products, can
+still differ from one GPU's; ``KVPILOT_PP_MICROBATCH=0`` keeps whole steps. A micro-batch is padded
+(to its own bucket) only when one GPU would pad the whole step: where one GPU runs a step eagerly
+(more tokens or sequences than its largest graph, prompt logprobs) padding its micro-batches would
+only add compute.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch.distributed as dist
 
 from .config import KvCacheConfig, ModelConfig
 from .llama import ParallelContext
-from .model_runner import ModelRunner, ScheduledSeq
+from .model_runner import ModelRunner, ScheduledSeq, prefill_padding
 
 logger = logging.getLogger(__name__)
 
@@ -89,17 +92,19 @@ def rank_graphs_enabled(tp_size: int, pipelined: bool) -> bool:
 
 def single_gpu_prefill_buckets(max_num_tokens: int) -> Optional[list[int]]:
     """The padded token counts of the prefill graphs one GPU captures at ``max_num_tokens`` (CUDA),
-    or None when its prefill graphs are off (``KVPILOT_CUDA_GRAPHS=0`` or ``KVPILOT_PREFILL_GRAPHS=0``).
-
-    Raises:
-        ValueError: a bad ``KVPILOT_PREFILL_GRAPH_TOKENS``.
-    """
+    or None when it captures none: ``KVPILOT_CUDA_GRAPHS=0``, ``KVPILOT_PREFILL_GRAPHS=0``, or a bad
+    ``KVPILOT_PREFILL_GRAPH_TOKENS`` (logged as a warning: one GPU's `cuda_graphs.capture_all` then
+    warns and runs prefill steps eagerly, so the ranks do not fail either)."""
     from .cuda_graphs import default_token_buckets, prefill_graph_tokens
     from .model_runner import cuda_graphs_enabled, prefill_graphs_enabled
 
     if not (cuda_graphs_enabled() and prefill_graphs_enabled()):
         return None
-    return default_token_buckets(max_num_tokens, prefill_graph_tokens())
+    try:
+        return default_token_buckets(max_num_tokens, prefill_graph_tokens())
+    except ValueError as e:
+        logger.warning("%s; prefill steps are not padded (one GPU would capture no prefill graphs)", e)
+        return None
 
 
 def step_timing_enabled() -> bool:
@@ -410,6 +415,7 @@ class Worker:
         runner = self.runner
         graphs = runner.graphs
         mbs = split_microbatches(plan, spec.pp_size if spec.microbatching else 1)
+        pad_ok = None  # whether eager micro-batches may be padded: decided at the first one
         prev_rank = self.rank - spec.tp_size
         next_rank = self.rank + spec.tp_size
         sends, logits, rows = [], [], []
@@ -425,7 +431,10 @@ class Worker:
                     rows.extend(range(offset, offset + len(mb)))
                 offset += len(mb)
                 continue
-            ids, pos, meta, sample_idx = runner.prepare(mb)
+            if pad_ok is None:  # only where one GPU pads the whole step (module docstring)
+                pad_ok = len(mbs) == 1 or (runner.prefill_pad_buckets is not None and prefill_padding(
+                    plan, runner.prefill_pad_buckets, runner.max_batch_size, runner.max_blocks_per_seq) is not None)
+            ids, pos, meta, sample_idx = runner.prepare(mb, pad_ok)
             n = ids.shape[0]  # padded like one GPU's prefill graph where it would use one (module docstring)
             hidden = residual = None
             if not self.is_first:

@@ -72,7 +72,7 @@ def test_tp2_fp32_reduce_matches_single_process_far_closer_than_bf16_reduce(tp_r
     single_logits, single_toks = res["single"]["bfloat16"]
     fp32_logits, fp32_toks, fp32_flag = res["tp"][("bfloat16", "1")]
     bf16_logits, bf16_toks, bf16_flag = res["tp"][("bfloat16", None)]
-    assert (fp32_flag, bf16_flag) == (True, False)  # default on; "0" turns it off
+    assert (fp32_flag, bf16_flag) == (True, False)  # "1" turns it on; unset it is off (the default)
     assert len(single_toks) == DECODE_STEPS + 1
     # The fp32 reduction leaves only fp32 summation order: the greedy tokens are one process's.
     assert fp32_toks == single_toks

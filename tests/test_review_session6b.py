@@ -5,7 +5,8 @@ What a PDL launch needs to be correct: every global memory access of a kernel la
 PDL attribute comes after its ``griddepcontrol.wait`` in the MACHINE CODE (the compiler, not the
 source, decides the order), and only kernels that wait are launched with the attribute (the
 reviewed kernels trigger their successor at entry, before their own wait, so a successor that
-does not wait would race). The CPU tests here check both on what Triton and ptxas produce for
+does not wait would race; since the seventh session the batch-1 GEMV waits at entry and triggers
+when a program starts its last column tile). The CPU tests here check both on what Triton and ptxas produce for
 sm_90, for every specialization the wrappers launch with PDL (GEMV M = 1, 2 and 8, where M = 8
 is a 3-stage ``cp.async`` pipeline; attention with and without splits, bf16 and FP8; the
 reduction; rotary + KV write; RMSNorm), plus the source-level pairing of launch attribute and wait.

@@ -26,7 +26,8 @@ KV cache: a beam that continues its own sequence appends in place. A beam forked
 takes that sequence's *full* blocks by reference (their contents never change) and recomputes the
 tokens of the parent's last, partial block in its next step (at most ``tokens_per_block`` tokens),
 so no block is ever written by two beams and no copy kernel is needed. A forked beam joins the
-running sequences at once: the scheduler reserved the request's full width in batch slots when it
+running sequences at once, next to its siblings (`Scheduler.add_forks`: a request's beams stay
+contiguous in running order); the scheduler reserved the request's full width in batch slots when it
 admitted it, and preempts and re-admits all of its beams together (engine/scheduler.py). Re-admitted
 beams share their common leading full blocks again (with or without block reuse): one beam
 recomputes each shared block, the others wait for it and then recompute only their own tokens.
@@ -179,6 +180,7 @@ class BeamSearch:
         # never pass through the free queue).
         for _i, parent in forks:
             kv.ref_blocks(snap[parent][1])
+        added: list[Sequence] = []
         for i, parent in forks:
             tokens, blocks, cached = snap[parent]
             if spare:
@@ -187,13 +189,14 @@ class BeamSearch:
             else:
                 seq = Sequence(request=req, index=0, token_ids=[], seed=0)
                 seq.status = SequenceStatus.RUNNING
-                sched.running.append(seq)
+                added.append(seq)
             seq.token_ids = list(tokens)
             seq.sampling_row = None  # its cached penalty history belonged to another hypothesis
             seq.block_table = list(blocks)
             seq.num_computed_tokens = len(blocks) * kv.block_size
             seq.num_cached_blocks = min(cached, len(blocks))
             new_seqs[i] = seq
+        sched.add_forks(added)  # next to the request's other beams (a livelock otherwise: `add_forks`)
         for seq in spare:  # fewer live beams than sequences (the vocabulary is tiny)
             sched.finish(seq)
         for i, (_parent, tok) in enumerate(beams):

@@ -20,6 +20,10 @@ sequences preempts all of them (taking back what the step already gave the other
 admitted only all together, with the batch slots of the request's full width reserved and the
 blocks of every sequence's whole length allocated at once. Otherwise a beam could hold blocks while
 it waits for a sibling queued behind a request that only those blocks would let in (a livelock).
+A lockstep request's running sequences are also contiguous in running order (forks join next to
+their siblings: `add_forks`), so that the end of a step's token budget splits at most one of them;
+interleaved, every one of them could lose a sequence to the budget in every step, and none would
+ever step again (another livelock, with ``max_num_tokens`` below the beams running).
 
 A preempted lockstep request is re-admitted with its sequences sharing blocks again, as its beams
 shared them while running (forked block tables, engine/beam_search.py): each sequence takes the
@@ -90,8 +94,9 @@ class Scheduler:
 
     @property
     def running(self) -> list[Sequence]:
-        """Running sequences in admission order. `finish` only marks a sequence; it leaves this list
-        here, in one O(n) pass per step, instead of an O(n) ``list.remove`` per finished sequence."""
+        """Running sequences in admission order (a beam fork next to its request's other sequences:
+        `add_forks`). `finish` only marks a sequence; it leaves this list here, in one O(n) pass
+        per step, instead of an O(n) ``list.remove`` per finished sequence."""
         if self._num_finished_running:
             self._running = [s for s in self._running if s.status is not SequenceStatus.FINISHED]
             self._num_finished_running = 0
@@ -335,6 +340,24 @@ class Scheduler:
             budget -= n
             slots += 1
         return out
+
+    def add_forks(self, seqs: list[Sequence]) -> None:
+        """Run ``seqs``, new sequences of one running lockstep request (beam forks,
+        `BeamSearch._reassign`): they join `running` right after the request's last running
+        sequence, so that a lockstep request's sequences stay contiguous in running order. Appended
+        at the end, behind requests admitted after theirs, two beam requests wider together than
+        ``max_num_tokens`` could each have a beam left out of every step's budget: neither would
+        ever step again (a livelock)."""
+        if not seqs:
+            return
+        req = seqs[0].request
+        running = self.running
+        k = len(running)
+        while k and running[k - 1].request is not req:
+            k -= 1
+        if not k:  # (none running: cannot happen, the parent runs)
+            k = len(running)
+        running[k:k] = seqs
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free its blocks (O(1) for a running one)."""

@@ -124,6 +124,7 @@ class _SimEngine:
         if req.seqs[0].num_tokens >= self.limits[req.request_id]:
             self._finish(req)
             return
+        forks = []
         while len(req.seqs) < req.max_num_seqs:  # the first step forks the beam to its width
             parent = req.seqs[0]
             full = parent.block_table[:parent.num_computed_tokens // kv.block_size]
@@ -133,8 +134,9 @@ class _SimEngine:
                             block_table=list(full), num_computed_tokens=len(full) * kv.block_size,
                             num_cached_blocks=min(parent.num_cached_blocks, len(full)))
             fork.status = RUNNING
-            self.sched.running.append(fork)
+            forks.append(fork)
             req.seqs.append(fork)
+        self.sched.add_forks(forks)  # as `BeamSearch._reassign`
 
     def _check_kv(self, out) -> None:
         """Each scheduled sequence attends to its positions before this step's tokens: their slots
@@ -224,12 +226,13 @@ def test_sim_random_workloads_finish_with_invariants(seed):
 
 
 def test_sim_preempting_a_beam_gives_back_what_the_step_gave_its_siblings():
-    """Running order [beam 0, plain, beam 1 (the fork, admitted last)]: when the fork's next token
-    needs a block that is not there, it is the victim, and beam 0, already scheduled in this step,
-    is preempted with it: its tokens leave the step's output; the plain request keeps its own."""
+    """Running order [plain, beam 0, beam 1 (the fork, next to its sibling: `Scheduler.add_forks`)]:
+    when the fork's next token needs a block that is not there, its request is the victim (admitted
+    last), and beam 0, already scheduled in this step, is preempted with it: its tokens leave the
+    step's output; the plain request keeps its own."""
     sim = _SimEngine(num_blocks=8, block_size=4, max_num_tokens=32, max_batch_size=8, reuse=False)
-    beam = sim.add(0, 3, 12, use_beam_search=True, n=2, best_of=2)
     plain = sim.add(1, 3, 12)
+    beam = sim.add(0, 3, 12, use_beam_search=True, n=2, best_of=2)
     outs = []
     schedule = sim.sched.schedule
     sim.sched.schedule = lambda *a, **k: outs.append(schedule(*a, **k)) or outs[-1]

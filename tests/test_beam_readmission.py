@@ -177,6 +177,34 @@ def _workload(rng: random.Random, num_blocks: int, B: int) -> list[tuple[int, in
     return items
 
 
+def _alone_then_mixed(cfg: dict, workload: list[tuple[int, int, dict]], max_steps: int,
+                      on_sim=None) -> tuple[dict, _BeamTreeSim]:
+    """Each (prompt length, max_tokens, params) of ``workload`` alone in a `_BeamTreeSim` of ``cfg``,
+    then those that finish alone all together (``on_sim(sim)`` may instrument that sim first).
+    Returns the results alone (by request id) and the mixed sim after `run` (which raises on a
+    livelock or a broken invariant); `_mix_failed` compares them."""
+    alone, items = {}, []
+    for rid, (prompt, max_tokens, kw) in enumerate(workload):
+        sim = _BeamTreeSim(**cfg)
+        sim.add(rid, prompt, max_tokens, **kw)
+        sim.run(max_steps=max_steps)
+        if not sim.errors:
+            alone[rid] = sim.results.get(rid)
+            items.append((rid, prompt, max_tokens, kw))
+    sim = _BeamTreeSim(**cfg)
+    if on_sim is not None:
+        on_sim(sim)
+    for rid, prompt, max_tokens, kw in items:
+        sim.add(rid, prompt, max_tokens, **kw)
+    sim.run(max_steps=2 * max_steps)
+    return alone, sim
+
+
+def _mix_failed(alone: dict, sim: _BeamTreeSim) -> bool:
+    """Whether a request that finished alone failed in the mix, or got other beams."""
+    return bool(sim.errors) or {rid: sim.results.get(rid) for rid in alone} != alone
+
+
 def test_sim_a_request_that_finishes_alone_finishes_in_any_mix():
     """200 random pools, block sizes, budgets and mixes of requests; beam requests are not limited to
     those that fit the pool without sharing. Each request runs alone first: those that fail alone
@@ -190,27 +218,19 @@ def test_sim_a_request_that_finishes_alone_finishes_in_any_mix():
         num_blocks = rng.randint(8, 16)
         cfg = dict(num_blocks=num_blocks, block_size=B, max_num_tokens=rng.choice([8, 16, 64]),
                    max_batch_size=rng.choice([6, 8]), reuse=rng.random() < 0.5)
-        alone, items = {}, []
-        for rid, (prompt, max_tokens, kw) in enumerate(_workload(rng, num_blocks, B)):
-            sim = _BeamTreeSim(**cfg)
-            sim.add(rid, prompt, max_tokens, **kw)
-            sim.run(max_steps=2000)
-            if not sim.errors:
-                alone[rid] = sim.results.get(rid)
-                items.append((rid, prompt, max_tokens, kw))
-        sim = _BeamTreeSim(**cfg)
-        preempt = sim.sched._preempt
 
-        def counted(seq, out, preempt=preempt):
-            nonlocal beam_preemptions
-            beam_preemptions += seq.request.lockstep and seq.index == 0 and seq.num_output_tokens > 0
-            preempt(seq, out)
+        def count_preemptions(sim):
+            preempt = sim.sched._preempt
 
-        sim.sched._preempt = counted
-        for rid, prompt, max_tokens, kw in items:
-            sim.add(rid, prompt, max_tokens, **kw)
-        sim.run(max_steps=4000)
-        if sim.errors or {rid: sim.results.get(rid) for rid in alone} != alone:
+            def counted(seq, out):
+                nonlocal beam_preemptions
+                beam_preemptions += seq.request.lockstep and seq.index == 0 and seq.num_output_tokens > 0
+                preempt(seq, out)
+
+            sim.sched._preempt = counted
+
+        alone, sim = _alone_then_mixed(cfg, _workload(rng, num_blocks, B), 2000, count_preemptions)
+        if _mix_failed(alone, sim):
             failed.append((seed, {k: str(v) for k, v in sim.errors.items()}))
     assert not failed
     assert beam_preemptions > 100  # beam requests preempted after their first token, then re-admitted

@@ -63,7 +63,8 @@ OPS = {
 
 
 def label(cfg: dict) -> str:
-    s = f"{'dot' if cfg['use_dot'] else 'fma'} n{cfg['block_n']} k{cfg['block_k']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    s = (f"{'dot' if cfg['use_dot'] else 'fma'} n{cfg['block_n']} k{cfg['block_k']} w{cfg['num_warps']} "
+         f"s{cfg['num_stages']}")
     if cfg.get("programs_per_sm"):
         s += f" pps{cfg['programs_per_sm']}"
     return s + (" prefetch" if cfg.get("prefetch") else "")

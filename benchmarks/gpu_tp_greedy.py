@@ -138,7 +138,8 @@ def main() -> int:
                 failures.append(f"{dtype} {text}: a pipeline layout must give one GPU's tokens and logprobs exactly")
         fp32_tp, bf16_tp = results.get("2x1:KVPILOT_TP_REDUCE_FP32=1"), results.get("2x1")
         if dtype != "float32" and fp32_tp and bf16_tp:
-            print(f"TP 2 {dtype}: fp32 reduce max/mean logprob diff {fp32_tp['max_dlp']:.2e} / {fp32_tp['mean_dlp']:.2e}"
+            print(f"TP 2 {dtype}: fp32 reduce max/mean logprob diff {fp32_tp['max_dlp']:.2e} / "
+                  f"{fp32_tp['mean_dlp']:.2e}"
                   f", bf16 reduce {bf16_tp['max_dlp']:.2e} / {bf16_tp['mean_dlp']:.2e}", flush=True)
             if fp32_tp["max_dlp"] >= bf16_tp["max_dlp"] and bf16_tp["max_dlp"] > 0:
                 failures.append(f"{dtype} TP 2: the fp32 reduction is not closer to one GPU than the bf16 one")

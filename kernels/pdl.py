@@ -6,14 +6,15 @@ until that kernel has finished and its memory writes are visible. Each kernel he
 ``griddepcontrol.launch_dependents`` (``gdc_launch_dependents``) on entry, so the next PDL kernel is
 scheduled as early as possible; the batch-1 GEMVs (kernels/gemv.py) call it later, when a program
 starts its last column tile (`pdl_wait` on entry, `pdl_trigger` then): 129.5 against 130.8 us per
-decoder layer, three runs each (H200, BENCHMARKS.md seventh session). The gap between two kernels (the next one's launch and its programs'
-start) then overlaps the previous kernel's last programs; the CUDA Programming Guide, "Programmatic
-Dependent Launch and Synchronization", describes the mechanism. CUDA graphs keep these programmatic
-edges when the launches are captured.
+decoder layer, three runs each (H200, BENCHMARKS.md seventh session). The gap between two kernels
+(the next one's launch and its programs' start) then overlaps the previous kernel's last programs;
+the CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization", describes the
+mechanism. CUDA graphs keep these programmatic edges when the launches are captured.
 
 Rules the kernels follow: `pdl_enter` (or `pdl_wait`) runs first, before any load or store of
-memory another kernel writes or reads. A kernel that never calls ``gdc_wait`` must not be launched with PDL; a kernel
-launched without PDL that calls it does not wait (the instruction returns at once).
+memory another kernel writes or reads. A kernel that never calls ``gdc_wait`` must not be launched
+with PDL; a kernel launched without PDL that calls it does not wait (the instruction returns at
+once).
 
 ``KVPILOT_PDL`` (read at each launch, so a CUDA graph keeps the value it was captured with): on by
 default for launches of at most ``PDL_MAX_ROWS`` tokens or sequences (decode at small batch, where

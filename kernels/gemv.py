@@ -205,20 +205,30 @@ def silu_mul_gemv_ref(
 # ---------------------------------------------------------------------------------------------
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
-                  num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0) -> dict:
+                  num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
+                  norm_one_load: bool = False, early_weight: bool = False) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
     >= 16). ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the
     grid at that many programs per SM, each looping over several column tiles (persistent
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
-    program per ``block_n`` columns.
+    program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
+    whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
+    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
+    if early_weight and prefetch:
+        raise ValueError("early_weight and prefetch cannot be combined")
     return dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                 num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                programs_per_sm=programs_per_sm)  # fmt: skip
+                programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
+                early_weight=early_weight)  # fmt: skip
+
+
+NORM_ONE_LOAD_MAX = 16384
+"""Largest ``block_m * next_pow2(K)`` the one-load RMSNorm pass holds in registers (``launch_config``)."""
 
 
 _cfg = launch_config
@@ -227,8 +237,8 @@ _cfg = launch_config
 # shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode GEMV").
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
-        (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4)),
-        (1, 0, _cfg("fma", 1, 4, 2048, programs_per_sm=4)),
+        (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
+        (1, 0, _cfg("fma", 1, 4, 2048, programs_per_sm=4, norm_one_load=True)),
         (2, 16384, _cfg("fma", 2, 8, 512, programs_per_sm=4)),
         (2, 0, _cfg("fma", 2, 4, 1024, programs_per_sm=4)),
         (16, 0, _cfg("dot", 16, 32, 256, num_stages=3, programs_per_sm=2)),
@@ -286,8 +296,19 @@ if triton is not None:
     ):  # fmt: skip
         # The [BLOCK_N, BLOCK_K] weight tile and the [BLOCK_M, BLOCK_K] activation tile (input
         # dtype) at columns offs_k; the weight load is issued first.
+        w = _load(w_rows + offs_k[None, :], (offs_k < K)[None, :], EVEN_K)
+        a = _activation(x_ptr, res_ptr, nw_ptr, rows, offs_k, rstd, stride_xm, stride_rm, K, PROLOGUE,
+                        HAS_RESIDUAL, EVEN_K)
+        return w, a
+
+    @triton.jit
+    def _activation(
+        x_ptr, res_ptr, nw_ptr, rows, offs_k, rstd, stride_xm, stride_rm,
+        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        # The [BLOCK_M, BLOCK_K] activation tile at columns offs_k: x, SiLU(gate) * up, or the
+        # RMSNorm of x (+ residual) times the norm weight, in the input dtype.
         k_ok = (offs_k < K)[None, :]
-        w = _load(w_rows + offs_k[None, :], k_ok, EVEN_K)
         xp = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
         if PROLOGUE == 2:  # SiLU(gate) * up: gate at column k, up at K + k
             g = _load(xp, k_ok, EVEN_K)
@@ -304,7 +325,7 @@ if triton is not None:
             a = (normed.to(tl.float32) * nw.to(tl.float32)).to(h.dtype)
         else:
             a = _load(xp, k_ok, EVEN_K)
-        return w, a
+        return a
 
     @triton.jit
     def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -324,7 +345,7 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_PDL: tl.constexpr = False,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -335,9 +356,27 @@ if triton is not None:
         # kernels/pdl.py: wait before any memory access; the next kernel is let in (`pdl_trigger`)
         # only when this program starts its last column tile (measured faster than at entry).
         pdl_wait(USE_PDL)
+        if EARLY_W:
+            # The first K tile of this program's first column tile, issued before the RMSNorm pass
+            # so that its DRAM latency overlaps that pass's L2 round trips.
+            first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
+                            EVEN_K)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PROLOGUE == 1:
+        if PROLOGUE == 1 and NORM_PAD > 0:
+            # Pass 1 in one load of each whole row (K <= NORM_PAD): one L2 round trip.
+            offs_r = tl.arange(0, NORM_PAD)
+            r_ok = (offs_r < K)[None, :]
+            h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_r[None, :], mask=r_ok, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_r[None, :], mask=r_ok, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+                if pid == 0:
+                    tl.store(h_ptr + rows[:, None] * stride_hm + offs_r[None, :], h, mask=(offs_m < M)[:, None] & r_ok)
+            hf = h.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)
+        elif PROLOGUE == 1:
             # Pass 1: mean square of each row of h; program 0 also writes h (the new residual).
             sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -355,51 +394,84 @@ if triton is not None:
             rstd = tl.rsqrt(sumsq / K + eps)
 
         # Column tiles pid, pid + grid, ...: one per program, or several when the launch caps the
-        # grid (persistent programs amortise the RMSNorm pass over their tiles).
+        # grid (persistent programs amortise the RMSNorm pass over their tiles). With EARLY_W the
+        # first tile is peeled off, so that w_first is not held in registers through the loop.
         num_tiles = tl.cdiv(N, BLOCK_N)
-        for tile in range(pid, num_tiles, tl.num_programs(0)):
-            if tile + tl.num_programs(0) >= num_tiles:
-                pdl_trigger(USE_PDL)
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            cols = tl.minimum(offs_n, N - 1).to(tl.int64)
-            w_rows = w_ptr + cols[:, None] * stride_wn
-            if USE_DOT:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-            if PREFETCH:
-                # Register double buffering: tile t + 1's weight and activation loads are issued
-                # before tile t's products, so two tiles per program are in flight.
-                w, a = _load_tile(
-                    w_rows, x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
+        first = pid
+        if EARLY_W:
+            _column_tile(
+                pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+            )  # fmt: skip
+            first = pid + tl.num_programs(0)
+        for tile in range(first, num_tiles, tl.num_programs(0)):
+            _column_tile(
+                tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+            )  # fmt: skip
+
+    @triton.jit
+    def _column_tile(
+        tile, w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+        M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    ):  # fmt: skip
+        # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
+        # first K tile of weights, already loaded. The next kernel is let in when a program starts
+        # its last tile.
+        if tile + tl.num_programs(0) >= num_tiles:
+            pdl_trigger(USE_PDL)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+        w_rows = w_ptr + cols[:, None] * stride_wn
+        if USE_DOT:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if PREFETCH:
+            # Register double buffering: tile t + 1's weight and activation loads are issued
+            # before tile t's products, so two tiles per program are in flight.
+            w, a = _load_tile(
+                w_rows, x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                PROLOGUE, HAS_RESIDUAL, EVEN_K,
+            )  # fmt: skip
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                w_next, a_next = _load_tile(
+                    w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
-                for k0 in range(BLOCK_K, K, BLOCK_K):
-                    w_next, a_next = _load_tile(
-                        w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
-                        PROLOGUE, HAS_RESIDUAL, EVEN_K,
-                    )  # fmt: skip
-                    acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
-                    w = w_next
-                    a = a_next
                 acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
-            else:
-                for k0 in range(0, K, BLOCK_K):
-                    w, a = _load_tile(
-                        w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
-                        PROLOGUE, HAS_RESIDUAL, EVEN_K,
-                    )  # fmt: skip
-                    acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
-            if USE_DOT:
-                out = acc
-            else:
-                out = tl.sum(acc, axis=2)
-            if HAS_BIAS:
-                out += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-            y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
-
+                w = w_next
+                a = a_next
+            acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+        else:
+            k_lo = 0
+            if HAS_W0:  # K tile 0 was loaded before the RMSNorm pass
+                a0 = _activation(x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                                 PROLOGUE, HAS_RESIDUAL, EVEN_K)
+                acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32)
+                k_lo = BLOCK_K
+            for k0 in range(k_lo, K, BLOCK_K):
+                w, a = _load_tile(
+                    w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
+                    PROLOGUE, HAS_RESIDUAL, EVEN_K,
+                )  # fmt: skip
+                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+        if USE_DOT:
+            out = acc
+        else:
+            out = tl.sum(acc, axis=2)
+        if HAS_BIAS:
+            out += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -448,6 +520,9 @@ def _launch(
     grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_mode(x.device, m)
+    norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0
+    if norm_pad * cfg["block_m"] > NORM_ONE_LOAD_MAX:
+        norm_pad = 0
     _gemv_kernel[grid](
         x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
@@ -457,6 +532,7 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
+        NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip

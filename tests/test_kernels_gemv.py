@@ -30,11 +30,15 @@ FMA_PREFETCH = G.launch_config("fma", 2, 8, 32, prefetch=True)
 DOT_SMALL = G.launch_config("dot", 16, 16, 64, num_stages=2)
 DOT_PREFETCH = G.launch_config("dot", 16, 32, 32, prefetch=True)
 PERSISTENT = G.launch_config("fma", 8, 16, 64, programs_per_sm=1)  # 4 programs on CPU: tile loop
+# RMSNorm pass in one load of the row, first weight tile issued before it; persistent, so the
+# early tile is used by each program's first column tile only.
+EARLY = G.launch_config("fma", 4, 16, 64, programs_per_sm=1, norm_one_load=True, early_weight=True)
 CONFIGS = {"table": None, "fma": FMA_SMALL, "dot": DOT_SMALL, "fma_prefetch": FMA_PREFETCH,
-           "dot_prefetch": DOT_PREFETCH, "persistent": PERSISTENT}  # fmt: skip
+           "dot_prefetch": DOT_PREFETCH, "persistent": PERSISTENT, "early": EARLY}  # fmt: skip
 # Each configuration once per dtype would double the interpreter's time; pair them instead.
 CASES = [("table", torch.float32), ("table", torch.bfloat16), ("fma", torch.float32), ("dot", torch.bfloat16),
-         ("fma_prefetch", torch.bfloat16), ("dot_prefetch", torch.float32), ("persistent", torch.float32)]
+         ("fma_prefetch", torch.bfloat16), ("dot_prefetch", torch.float32), ("persistent", torch.float32),
+         ("early", torch.float32)]
 
 # M, K, N: a partial K tile (200), N not a multiple of the tile (77, 200), M of 1, 3 (clamped
 # rows), 8 (tl.dot path in the table).
@@ -173,6 +177,8 @@ def test_shape_errors():
         G.silu_mul_gemv_ref(t["gu"][:, :63], t["w"])
     with pytest.raises(ValueError, match="weight must be"):
         G.rmsnorm_gemv_ref(t["x"], None, t["nw"], 1e-5, t["w"][:, :8])
+    with pytest.raises(ValueError, match="early_weight and prefetch"):
+        G.launch_config("fma", 1, 8, 64, prefetch=True, early_weight=True)
     if G.triton is not None:
         with pytest.raises(ValueError, match="dtype"):
             G.gemv_triton(t["x"], t["w"].double())

@@ -206,7 +206,7 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: bool = False) -> dict:
+                  norm_one_load: bool = False, early_weight: bool = False, ksub: int = 0) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
@@ -216,6 +216,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
     ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
+    ``ksub`` > 0 (fma only) sums each run of ``ksub`` consecutive products of a K tile as it goes,
+    so the register accumulator holds ``block_k / ksub`` partial sums per output, not ``block_k``.
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
@@ -224,7 +226,7 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     return dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                 num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                 programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                early_weight=early_weight)  # fmt: skip
+                early_weight=early_weight, ksub=ksub)  # fmt: skip
 
 
 NORM_ONE_LOAD_MAX = 16384
@@ -328,13 +330,21 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
-        # dot: acc[BLOCK_M, BLOCK_N] += a @ w.T; fma: acc[BLOCK_M, BLOCK_N, BLOCK_K] += a * w.
+    def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, KSUB: tl.constexpr = 0):
+        # dot: acc[BLOCK_M, BLOCK_N] += a @ w.T; fma: acc[BLOCK_M, BLOCK_N, BLOCK_K] += a * w, or with
+        # KSUB > 0 acc[BLOCK_M, BLOCK_N, BLOCK_K // KSUB] += the products summed over runs of KSUB
+        # consecutive k (a thread's own vector of k: a smaller accumulator, same loads).
         if USE_DOT:
             if DOT_FP32:
                 return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 return acc + tl.dot(a, tl.trans(w))
+        elif KSUB > 0:
+            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            BM: tl.constexpr = prod.shape[0]
+            BN: tl.constexpr = prod.shape[1]
+            BK: tl.constexpr = prod.shape[2]
+            return acc + tl.sum(tl.reshape(prod, [BM, BN, BK // KSUB, KSUB]), axis=3)
         else:
             return acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
@@ -345,7 +355,8 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, KSUB: tl.constexpr = 0,
+        USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -403,7 +414,7 @@ if triton is not None:
                 pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, KSUB, USE_PDL,
             )  # fmt: skip
             first = pid + tl.num_programs(0)
         for tile in range(first, num_tiles, tl.num_programs(0)):
@@ -411,7 +422,7 @@ if triton is not None:
                 tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, KSUB, USE_PDL,
             )  # fmt: skip
 
     @triton.jit
@@ -420,18 +431,22 @@ if triton is not None:
         M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSUB: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
+        # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
         # first K tile of weights, already loaded. The next kernel is let in when a program starts
         # its last tile.
         if tile + tl.num_programs(0) >= num_tiles:
-            pdl_trigger(USE_PDL)
+            pdl_trigger(PDL)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, N - 1).to(tl.int64)
         w_rows = w_ptr + cols[:, None] * stride_wn
         if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        elif KSUB > 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // KSUB], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
@@ -446,23 +461,23 @@ if triton is not None:
                     w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
-                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
                 w = w_next
                 a = a_next
-            acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+            acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
         else:
             k_lo = 0
             if HAS_W0:  # K tile 0 was loaded before the RMSNorm pass
                 a0 = _activation(x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
-                acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32)
+                acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32, KSUB)
                 k_lo = BLOCK_K
             for k0 in range(k_lo, K, BLOCK_K):
                 w, a = _load_tile(
                     w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
-                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
         if USE_DOT:
             out = acc
         else:
@@ -533,6 +548,7 @@ def _launch(
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
+        KSUB=0 if cfg["use_dot"] else cfg.get("ksub", 0),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip

@@ -50,7 +50,7 @@ def _step(ctx_lens, heads, kv_heads, head_dim, block_size, dtype, padded=(), see
         positions.append(p + 3)  # rotary positions need not equal context indices
     if cache_dtype is not None:
         kc, vc = kc.to(cache_dtype), vc.to(cache_dtype)
-    cos_sin = build_rope_cache(head_dim, 4096, 10000.0, None)
+    cos_sin = build_rope_cache(head_dim, 8192, 10000.0, None)
     return dict(q=q, k=k, v=v, positions=torch.tensor(positions), cos_sin_cache=cos_sin, k_cache=kc, v_cache=vc,
                 slot_mapping=torch.tensor(slots), block_tables=bt, seq_lens=sl, query_start_loc=qsl,
                 scale=head_dim ** -0.5, max_seq_len=int(sl.max()))

@@ -14,6 +14,8 @@ Variants (the rest of the layer as the engine runs it at batch 1: fused GEMVs, P
   issued before it (``norm_one_load``, ``early_weight`` in ``kernels/gemv.py``).
 - ``both``: ``attn`` + ``gemv`` (today's defaults).
 - ``both_qkv_early``: ``both`` + QKV's early weight tile (3 programs per SM: more registers).
+- ``pre_o``, ``pre_o_down``, ``pre_all``: ``both`` + those GEMVs' first weight tile loaded before
+  their PDL wait (``early_weight=2``), overlapping the previous kernel.
 
 Microseconds per layer (32 layers in one graph, median of 20 replays), rounds alternating the
 variants; each variant's output after one layer is compared with ``base``'s (max |a-b| / (1+|b|)).
@@ -42,23 +44,35 @@ import kvpilot.kernels as K  # noqa: E402
 from kvpilot.kernels import gemv as G  # noqa: E402
 
 RMS = G.CONFIGS["rmsnorm"]
-TABLE = {"gate_up": RMS[0][2], "qkv": RMS[1][2]}
-PLAIN = {op: dict(cfg, norm_one_load=False, early_weight=False) for op, cfg in TABLE.items()}
+# op -> (prologue, index of its M = 1 row in CONFIGS[prologue])
+ROWS = {"gate_up": ("rmsnorm", 0), "qkv": ("rmsnorm", 1), "o": ("plain", 0), "down": ("silu", 0)}
+TABLE = {op: G.CONFIGS[pro][i][2] for op, (pro, i) in ROWS.items()}
+PLAIN = dict(TABLE, **{op: dict(TABLE[op], norm_one_load=False, early_weight=0) for op in ("gate_up", "qkv")})
+
+
+def _pre(*ops: str, **extra) -> dict:
+    """TABLE with the first weight tile of ``ops`` loaded before the PDL wait (early_weight=2)."""
+    return dict(TABLE, **{op: dict(TABLE[op], early_weight=2, **extra.get(op, {})) for op in ops})
+
+
 VARIANTS = {
     "base": (False, PLAIN),
     "attn": (True, PLAIN),
     "gemv": (False, TABLE),
     "both": (True, TABLE),
-    "both_qkv_early": (True, dict(TABLE, qkv=dict(TABLE["qkv"], early_weight=True, programs_per_sm=3))),
+    "both_qkv_early": (True, dict(TABLE, qkv=dict(TABLE["qkv"], early_weight=1, programs_per_sm=3))),
+    "pre_o": (True, _pre("o")),
+    "pre_o_down": (True, _pre("o", "down")),
+    "pre_all": (True, _pre("o", "down", "gate_up", "qkv", qkv={"programs_per_sm": 3})),
 }
 
 
 def apply(variant: str) -> None:
     fused_attn, table = VARIANTS[variant]
     os.environ["KVPILOT_FUSED_DECODE_ATTENTION"] = "1" if fused_attn else "0"
-    for i, op in enumerate(("gate_up", "qkv")):
-        mm, nn, _ = RMS[i]
-        RMS[i] = (mm, nn, table[op])
+    for op, (pro, i) in ROWS.items():
+        mm, nn, _ = G.CONFIGS[pro][i]
+        G.CONFIGS[pro][i] = (mm, nn, table[op])
 
 
 def race_check(kv_dtype: torch.dtype, replays: int = 2000) -> int:

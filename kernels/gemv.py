@@ -206,7 +206,7 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: bool = False, ksub: int = 0) -> dict:
+                  norm_one_load: bool = False, early_weight: int = 0, ksub: int = 0) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
@@ -215,7 +215,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
-    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
+    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``);
+    2 issues it before the PDL wait (an experiment: benchmarks/gpu_decode_fusion_ab.py).
     ``ksub`` > 0 (fma only) sums each run of ``ksub`` consecutive products of a K tile as it goes,
     so the register accumulator holds ``block_k / ksub`` partial sums per output, not ``block_k``.
     """
@@ -355,7 +356,7 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, KSUB: tl.constexpr = 0,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = 0, KSUB: tl.constexpr = 0,
         USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
@@ -366,11 +367,16 @@ if triton is not None:
         arange_k = tl.arange(0, BLOCK_K)
         # kernels/pdl.py: wait before any memory access; the next kernel is let in (`pdl_trigger`)
         # only when this program starts its last column tile (measured faster than at entry).
+        # EARLY_W: the first K tile of this program's first column tile is issued before the RMSNorm
+        # pass (1), so that its DRAM latency overlaps that pass's L2 round trips, or even before the
+        # PDL wait (2): weights are written by no kernel, so they may be read while the previous
+        # kernel still runs (experimental; tests/pdl_order_check.py would flag it).
+        first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        if EARLY_W == 2:
+            w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
+                            EVEN_K)
         pdl_wait(USE_PDL)
-        if EARLY_W:
-            # The first K tile of this program's first column tile, issued before the RMSNorm pass
-            # so that its DRAM latency overlaps that pass's L2 round trips.
-            first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        if EARLY_W == 1:
             w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
                             EVEN_K)
 
@@ -409,7 +415,7 @@ if triton is not None:
         # first tile is peeled off, so that w_first is not held in registers through the loop.
         num_tiles = tl.cdiv(N, BLOCK_N)
         first = pid
-        if EARLY_W:
+        if EARLY_W > 0:
             _column_tile(
                 pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
@@ -547,7 +553,7 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
+        NORM_PAD=norm_pad, EARLY_W=0 if cfg.get("prefetch") else int(cfg.get("early_weight") or 0),
         KSUB=0 if cfg["use_dot"] else cfg.get("ksub", 0),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),

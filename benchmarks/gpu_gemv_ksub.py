@@ -10,6 +10,9 @@ per SM and so the weight bytes in flight. ``ksub=8`` sums each thread's 8 consec
 it goes (a ``[BLOCK_N, BLOCK_K / 8]`` accumulator), which frees registers for more programs per SM
 or more tiles in flight.
 
+``ksub=-1`` sums each whole K tile at once (a ``[BLOCK_N]`` accumulator, a cross-thread reduction
+per tile), which leaves room for register prefetch of the next tile.
+
 1. Each of the four batch-1 products (M = 1, Llama-3.1-8B shapes, bf16) alone: the current table's
    configuration, cuBLAS (``torch.matmul``), and the candidates below, as us per call in CUDA
    graphs over rotating weight copies (``gpu_gemv.Op``), each checked against the reference.
@@ -40,30 +43,22 @@ C = G.launch_config
 # op -> (prologue, index of its M = 1 row in CONFIGS[prologue], candidates)
 OPS = {
     "gate_up": ("rmsnorm", 0, [
-        C("fma", 1, 8, 1024, programs_per_sm=p, ksub=8, norm_one_load=True, early_weight=e)
-        for p in (4, 6, 8) for e in (False, True)
-    ] + [
-        C("fma", 1, 16, 1024, programs_per_sm=4, ksub=8, norm_one_load=True),
-        C("fma", 1, 8, 2048, programs_per_sm=4, ksub=8, norm_one_load=True),
-        C("fma", 1, 8, 1024, programs_per_sm=8, ksub=8, num_stages=2, norm_one_load=True),
-        C("fma", 1, 8, 512, programs_per_sm=8, ksub=8, norm_one_load=True),
-        C("dot", 16, 64, 128, num_stages=4, programs_per_sm=2, norm_one_load=False),
-    ]),
+        C("fma", 1, 8, 1024, programs_per_sm=p, ksub=-1, norm_one_load=True, prefetch=f)
+        for p in (4, 8) for f in (False, True)
+    ] + [C("fma", 1, 8, 2048, programs_per_sm=4, ksub=-1, norm_one_load=True, prefetch=True),
+         C("fma", 1, 16, 1024, programs_per_sm=4, ksub=-1, norm_one_load=True, prefetch=True)]),
     "qkv": ("rmsnorm", 1, [
-        C("fma", 1, 4, 2048, programs_per_sm=p, ksub=8, norm_one_load=True, early_weight=e)
-        for p in (4, 6, 8) for e in (False, True)
-    ] + [C("fma", 1, 8, 1024, programs_per_sm=6, ksub=8, norm_one_load=True)]),
+        C("fma", 1, 4, 2048, programs_per_sm=p, ksub=-1, norm_one_load=True, prefetch=f)
+        for p in (4, 8) for f in (False, True)
+    ] + [C("fma", 1, 4, 1024, programs_per_sm=8, ksub=-1, norm_one_load=True, prefetch=True),
+         C("fma", 1, 8, 1024, programs_per_sm=6, ksub=-1, norm_one_load=True, prefetch=True)]),
     "o": ("plain", 0, [
-        C("fma", 1, 4, 1024, ksub=8), C("fma", 1, 8, 1024, ksub=8), C("fma", 1, 4, 2048, ksub=8),
-        C("fma", 1, 4, 1024, ksub=8, num_stages=2), C("fma", 1, 4, 1024, ksub=8, programs_per_sm=8),
+        C("fma", 1, n, k, ksub=-1, prefetch=f) for n, k in ((4, 1024), (4, 512), (8, 512)) for f in (False, True)
     ]),
     "down": ("silu", 0, [
-        C("fma", 1, 8, 1024, ksub=8, num_stages=s) for s in (1, 2, 3, 4)
-    ] + [
-        C("fma", 1, 16, 1024, ksub=8, num_stages=3), C("fma", 1, 8, 2048, ksub=8, num_stages=2),
-        C("fma", 1, 8, 1024, ksub=8, num_stages=3, programs_per_sm=8),
-        C("dot", 16, 64, 128, num_stages=4), C("dot", 16, 32, 256, num_stages=4),
-    ]),
+        C("fma", 1, 8, 1024, ksub=-1, num_stages=s, prefetch=f) for s, f in ((1, False), (3, False), (1, True))
+    ] + [C("fma", 1, 8, 2048, ksub=-1, prefetch=True), C("fma", 1, 16, 1024, ksub=-1, prefetch=True),
+         C("fma", 1, 8, 1024, ksub=-1, prefetch=True, programs_per_sm=8)]),
 }
 SHAPE = {"gate_up": "gate_up", "qkv": "qkv", "o": "o_proj", "down": "down"}
 

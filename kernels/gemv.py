@@ -218,7 +218,9 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``);
     2 issues it before the PDL wait (an experiment: benchmarks/gpu_decode_fusion_ab.py).
     ``ksub`` > 0 (fma only) sums each run of ``ksub`` consecutive products of a K tile as it goes,
-    so the register accumulator holds ``block_k / ksub`` partial sums per output, not ``block_k``.
+    so the register accumulator holds ``block_k / ksub`` partial sums per output, not ``block_k``;
+    ``ksub`` < 0 sums each whole K tile (one partial sum per output; a cross-thread reduction per
+    tile).
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
@@ -340,6 +342,8 @@ if triton is not None:
                 return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 return acc + tl.dot(a, tl.trans(w))
+        elif KSUB < 0:  # the whole K tile summed at once: acc[BLOCK_M, BLOCK_N]
+            return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         elif KSUB > 0:
             prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             BM: tl.constexpr = prod.shape[0]
@@ -449,7 +453,7 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, N - 1).to(tl.int64)
         w_rows = w_ptr + cols[:, None] * stride_wn
-        if USE_DOT:
+        if USE_DOT or KSUB < 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         elif KSUB > 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // KSUB], dtype=tl.float32)
@@ -484,7 +488,7 @@ if triton is not None:
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
-        if USE_DOT:
+        if USE_DOT or KSUB < 0:
             out = acc
         else:
             out = tl.sum(acc, axis=2)

@@ -14,8 +14,10 @@ Variants (the rest of the layer as the engine runs it at batch 1: fused GEMVs, P
   issued before it (``norm_one_load``, ``early_weight`` in ``kernels/gemv.py``).
 - ``both``: ``attn`` + ``gemv`` (today's defaults).
 - ``both_qkv_early``: ``both`` + QKV's early weight tile (3 programs per SM: more registers).
-- ``pre_o``, ``pre_o_down``, ``pre_all``: ``both`` + those GEMVs' first weight tile loaded before
-  their PDL wait (``early_weight=2``), overlapping the previous kernel.
+- ``both_chunk4``, ``both_chunk16``: ``both`` with the in-kernel split merge reading 4 or 16 splits
+  per step (``TUNING["decode"]["fused_merge_chunk"]``, default 8).
+(Commit d88174a also had ``pre_o``, ``pre_o_down``, ``pre_all``: first weight tiles loaded before
+the PDL wait; BENCHMARKS.md, eighth session.)
 
 Microseconds per layer (32 layers in one graph, median of 20 replays), rounds alternating the
 variants; each variant's output after one layer is compared with ``base``'s (max |a-b| / (1+|b|)).
@@ -41,7 +43,10 @@ import gpu_decode_layer as D  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
 
 import kvpilot.kernels as K  # noqa: E402
+from kvpilot.kernels import attention  # noqa: E402
 from kvpilot.kernels import gemv as G  # noqa: E402
+
+MERGE_CHUNK = attention.TUNING["decode"]["fused_merge_chunk"]
 
 RMS = G.CONFIGS["rmsnorm"]
 # op -> (prologue, index of its M = 1 row in CONFIGS[prologue])
@@ -50,25 +55,21 @@ TABLE = {op: G.CONFIGS[pro][i][2] for op, (pro, i) in ROWS.items()}
 PLAIN = dict(TABLE, **{op: dict(TABLE[op], norm_one_load=False, early_weight=0) for op in ("gate_up", "qkv")})
 
 
-def _pre(*ops: str, **extra) -> dict:
-    """TABLE with the first weight tile of ``ops`` loaded before the PDL wait (early_weight=2)."""
-    return dict(TABLE, **{op: dict(TABLE[op], early_weight=2, **extra.get(op, {})) for op in ops})
-
-
 VARIANTS = {
     "base": (False, PLAIN),
     "attn": (True, PLAIN),
     "gemv": (False, TABLE),
     "both": (True, TABLE),
     "both_qkv_early": (True, dict(TABLE, qkv=dict(TABLE["qkv"], early_weight=1, programs_per_sm=3))),
-    "pre_o": (True, _pre("o")),
-    "pre_o_down": (True, _pre("o", "down")),
-    "pre_all": (True, _pre("o", "down", "gate_up", "qkv", qkv={"programs_per_sm": 3})),
 }
+# Merge chunk of the in-kernel split merge (kernels/attention.py TUNING["decode"]["fused_merge_chunk"]).
+CHUNKS = {"both_chunk4": 4, "both_chunk16": 16}
+VARIANTS.update({name: (True, TABLE) for name in CHUNKS})
 
 
 def apply(variant: str) -> None:
     fused_attn, table = VARIANTS[variant]
+    attention.TUNING["decode"]["fused_merge_chunk"] = CHUNKS.get(variant, MERGE_CHUNK)
     os.environ["KVPILOT_FUSED_DECODE_ATTENTION"] = "1" if fused_attn else "0"
     for op, (pro, i) in ROWS.items():
         mm, nn, _ = G.CONFIGS[pro][i]

@@ -57,6 +57,9 @@ TUNING = {
         # context, so a short one in a graph captured for a long bound still gets several programs.
         # H200, batch 1, 512 keys, graph bound 2,048: 6.6 us with 64, 8.3 with 128, 11.6 with 256.
         "min_split_tokens": 64,
+        # Splits the one-launch decode step's merging program reads per step (its in-kernel merge:
+        # decode_attention_rotary_triton); registers grow with it.
+        "fused_merge_chunk": 8,
         # Launch of batches that fill the GPU without splits (programs >= no_split_per_sm * SMs):
         # bandwidth-bound, best with more, smaller programs in flight (H200, batch 256 x 1,280 keys:
         # 318 us per layer against 338 us with 4 warps and 2 stages; BENCHMARKS.md).
@@ -737,6 +740,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
         LAZY_RESCALE=bool(cfg.get("lazy_rescale")) and splits == 1,
         FUSE_ROTARY=rotary is not None, FUSE_REDUCE=fuse_reduce, SATURATE=_saturate(k_cache),
         SPLITS_PAD=triton.next_power_of_2(splits) if fuse_reduce else 1,
+        REDUCE_CHUNK=cfg.get("fused_merge_chunk", 8),
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),

@@ -206,7 +206,7 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: int = 0, ksub: int = 0) -> dict:
+                  norm_one_load: bool = False, early_weight: bool = False) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
@@ -215,12 +215,7 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
-    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``);
-    2 issues it before the PDL wait (an experiment: benchmarks/gpu_decode_fusion_ab.py).
-    ``ksub`` > 0 (fma only) sums each run of ``ksub`` consecutive products of a K tile as it goes,
-    so the register accumulator holds ``block_k / ksub`` partial sums per output, not ``block_k``;
-    ``ksub`` < 0 sums each whole K tile (one partial sum per output; a cross-thread reduction per
-    tile).
+    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
@@ -229,7 +224,7 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     return dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                 num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                 programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                early_weight=early_weight, ksub=ksub)  # fmt: skip
+                early_weight=early_weight)  # fmt: skip
 
 
 NORM_ONE_LOAD_MAX = 16384
@@ -333,23 +328,13 @@ if triton is not None:
         return a
 
     @triton.jit
-    def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, KSUB: tl.constexpr = 0):
-        # dot: acc[BLOCK_M, BLOCK_N] += a @ w.T; fma: acc[BLOCK_M, BLOCK_N, BLOCK_K] += a * w, or with
-        # KSUB > 0 acc[BLOCK_M, BLOCK_N, BLOCK_K // KSUB] += the products summed over runs of KSUB
-        # consecutive k (a thread's own vector of k: a smaller accumulator, same loads).
+    def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
+        # dot: acc[BLOCK_M, BLOCK_N] += a @ w.T; fma: acc[BLOCK_M, BLOCK_N, BLOCK_K] += a * w.
         if USE_DOT:
             if DOT_FP32:
                 return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 return acc + tl.dot(a, tl.trans(w))
-        elif KSUB < 0:  # the whole K tile summed at once: acc[BLOCK_M, BLOCK_N]
-            return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        elif KSUB > 0:
-            prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            BM: tl.constexpr = prod.shape[0]
-            BN: tl.constexpr = prod.shape[1]
-            BK: tl.constexpr = prod.shape[2]
-            return acc + tl.sum(tl.reshape(prod, [BM, BN, BK // KSUB, KSUB]), axis=3)
         else:
             return acc + a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
 
@@ -360,8 +345,7 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = 0, KSUB: tl.constexpr = 0,
-        USE_PDL: tl.constexpr = False,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -371,16 +355,11 @@ if triton is not None:
         arange_k = tl.arange(0, BLOCK_K)
         # kernels/pdl.py: wait before any memory access; the next kernel is let in (`pdl_trigger`)
         # only when this program starts its last column tile (measured faster than at entry).
-        # EARLY_W: the first K tile of this program's first column tile is issued before the RMSNorm
-        # pass (1), so that its DRAM latency overlaps that pass's L2 round trips, or even before the
-        # PDL wait (2): weights are written by no kernel, so they may be read while the previous
-        # kernel still runs (experimental; tests/pdl_order_check.py would flag it).
-        first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        if EARLY_W == 2:
-            w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
-                            EVEN_K)
         pdl_wait(USE_PDL)
-        if EARLY_W == 1:
+        if EARLY_W:
+            # The first K tile of this program's first column tile, issued before the RMSNorm pass
+            # so that its DRAM latency overlaps that pass's L2 round trips.
+            first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
             w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
                             EVEN_K)
 
@@ -419,12 +398,12 @@ if triton is not None:
         # first tile is peeled off, so that w_first is not held in registers through the loop.
         num_tiles = tl.cdiv(N, BLOCK_N)
         first = pid
-        if EARLY_W > 0:
+        if EARLY_W:
             _column_tile(
                 pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, KSUB, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
             )  # fmt: skip
             first = pid + tl.num_programs(0)
         for tile in range(first, num_tiles, tl.num_programs(0)):
@@ -432,7 +411,7 @@ if triton is not None:
                 tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, KSUB, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
             )  # fmt: skip
 
     @triton.jit
@@ -441,8 +420,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSUB: tl.constexpr,
-        PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
         # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
@@ -453,10 +431,8 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, N - 1).to(tl.int64)
         w_rows = w_ptr + cols[:, None] * stride_wn
-        if USE_DOT or KSUB < 0:
+        if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        elif KSUB > 0:
-            acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // KSUB], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
         if PREFETCH:
@@ -471,24 +447,24 @@ if triton is not None:
                     w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
-                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
+                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
                 w = w_next
                 a = a_next
-            acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
+            acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
         else:
             k_lo = 0
             if HAS_W0:  # K tile 0 was loaded before the RMSNorm pass
                 a0 = _activation(x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
-                acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32, KSUB)
+                acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32)
                 k_lo = BLOCK_K
             for k0 in range(k_lo, K, BLOCK_K):
                 w, a = _load_tile(
                     w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
-                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32, KSUB)
-        if USE_DOT or KSUB < 0:
+                acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
+        if USE_DOT:
             out = acc
         else:
             out = tl.sum(acc, axis=2)
@@ -557,8 +533,7 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        NORM_PAD=norm_pad, EARLY_W=0 if cfg.get("prefetch") else int(cfg.get("early_weight") or 0),
-        KSUB=0 if cfg["use_dot"] else cfg.get("ksub", 0),
+        NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip

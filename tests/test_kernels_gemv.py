@@ -33,15 +33,12 @@ PERSISTENT = G.launch_config("fma", 8, 16, 64, programs_per_sm=1)  # 4 programs 
 # RMSNorm pass in one load of the row, first weight tile issued before it; persistent, so the
 # early tile is used by each program's first column tile only.
 EARLY = G.launch_config("fma", 4, 16, 64, programs_per_sm=1, norm_one_load=True, early_weight=True)
-# fma accumulator summed over runs of 8 consecutive k as it goes (and with register prefetch)
-KSUB = G.launch_config("fma", 4, 16, 64, ksub=8)
-KSUB_PREFETCH = G.launch_config("fma", 2, 8, 64, prefetch=True, ksub=8, programs_per_sm=1)
-CONFIGS = {"ksub": KSUB, "ksub_prefetch": KSUB_PREFETCH, "table": None, "fma": FMA_SMALL, "dot": DOT_SMALL, "fma_prefetch": FMA_PREFETCH,
+CONFIGS = {"table": None, "fma": FMA_SMALL, "dot": DOT_SMALL, "fma_prefetch": FMA_PREFETCH,
            "dot_prefetch": DOT_PREFETCH, "persistent": PERSISTENT, "early": EARLY}  # fmt: skip
 # Each configuration once per dtype would double the interpreter's time; pair them instead.
 CASES = [("table", torch.float32), ("table", torch.bfloat16), ("fma", torch.float32), ("dot", torch.bfloat16),
          ("fma_prefetch", torch.bfloat16), ("dot_prefetch", torch.float32), ("persistent", torch.float32),
-         ("early", torch.float32), ("ksub", torch.bfloat16), ("ksub_prefetch", torch.float32)]
+         ("early", torch.float32)]
 
 # M, K, N: a partial K tile (200), N not a multiple of the tile (77, 200), M of 1, 3 (clamped
 # rows), 8 (tl.dot path in the table).

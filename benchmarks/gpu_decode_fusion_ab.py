@@ -14,8 +14,9 @@ Variants (the rest of the layer as the engine runs it at batch 1: fused GEMVs, P
   issued before it (``norm_one_load``, ``early_weight`` in ``kernels/gemv.py``).
 - ``both``: ``attn`` + ``gemv`` (today's defaults).
 - ``both_qkv_early``: ``both`` + QKV's early weight tile (3 programs per SM: more registers).
-- ``both_chunk4``, ``both_chunk16``: ``both`` with the in-kernel split merge reading 4 or 16 splits
-  per step (``TUNING["decode"]["fused_merge_chunk"]``, default 8).
+- ``both_chunk8``, ``both_chunk16``: ``both`` with the in-kernel split merge reading 8 or 16 splits
+  per step (``TUNING["decode"]["fused_merge_chunk"]``, default 16; 4 measured slower). Launches of
+  more than ``TUNING["decode"]["fused_merge_max_splits"]`` splits keep the merge kernel.
 (Commit d88174a also had ``pre_o``, ``pre_o_down``, ``pre_all``: first weight tiles loaded before
 the PDL wait; BENCHMARKS.md, eighth session.)
 
@@ -63,7 +64,7 @@ VARIANTS = {
     "both_qkv_early": (True, dict(TABLE, qkv=dict(TABLE["qkv"], early_weight=1, programs_per_sm=3))),
 }
 # Merge chunk of the in-kernel split merge (kernels/attention.py TUNING["decode"]["fused_merge_chunk"]).
-CHUNKS = {"both_chunk4": 4, "both_chunk16": 16}
+CHUNKS = {"both_chunk8": 8, "both_chunk16": 16}
 VARIANTS.update({name: (True, TABLE) for name in CHUNKS})
 
 

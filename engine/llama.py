@@ -76,7 +76,7 @@ def tp_reduce_fp32_enabled() -> bool:
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-_FUSED_DECODE_MAX_SEQS = 8
+_FUSED_DECODE_MAX_SEQS = 1
 """Largest decode step (sequences) that takes the one-launch attention (`fused_decode_attention_enabled`);
 measured on an H200 (BENCHMARKS.md, eighth session)."""
 

@@ -57,9 +57,14 @@ TUNING = {
         # context, so a short one in a graph captured for a long bound still gets several programs.
         # H200, batch 1, 512 keys, graph bound 2,048: 6.6 us with 64, 8.3 with 128, 11.6 with 256.
         "min_split_tokens": 64,
-        # Splits the one-launch decode step's merging program reads per step (its in-kernel merge:
-        # decode_attention_rotary_triton); registers grow with it.
-        "fused_merge_chunk": 8,
+        # The one-launch decode step (decode_attention_rotary_triton) merges its splits in the kernel
+        # when the launch has at most fused_merge_max_splits of them, reading fused_merge_chunk
+        # splits per step (registers grow with it). H200, batch 1, 32 layers (BENCHMARKS.md, eighth
+        # session): against the separate merge kernel -1.0% per layer at 512 keys, -0.2% at 2,048,
+        # but +1.3% at 8,192 keys (64 splits: one program reading 128 KB of partials), so launches
+        # with more splits (context buckets above 2,048 tokens) keep the merge kernel.
+        "fused_merge_chunk": 16,
+        "fused_merge_max_splits": 32,
         # Launch of batches that fill the GPU without splits (programs >= no_split_per_sm * SMs):
         # bandwidth-bound, best with more, smaller programs in flight (H200, batch 256 x 1,280 keys:
         # 318 us per layer against 338 us with 4 warps and 2 stages; BENCHMARKS.md).
@@ -297,7 +302,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
     FUSE_ROTARY: tl.constexpr = False, FUSE_REDUCE: tl.constexpr = False, SATURATE: tl.constexpr = 0.0,
-    REDUCE_CHUNK: tl.constexpr = 8, SPLITS_PAD: tl.constexpr = 1,
+    REDUCE_CHUNK: tl.constexpr = 16, SPLITS_PAD: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
@@ -698,7 +703,8 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
             num_splits, precision, dot_fp32, kv_f16, common_strides, rotary=None):
     """Launch `_decode_kernel` (+ `_reduce_kernel` when it splits and does not merge itself) into
     ``out``. ``rotary`` = (k, v, positions, cos_sin_cache, slot_mapping) fuses rotary and the KV write
-    of the new tokens (`decode_attention_rotary_triton`), and then the split merge too."""
+    of the new tokens (`decode_attention_rotary_triton`), and then the split merge too, up to
+    ``TUNING["decode"]["fused_merge_max_splits"]`` splits."""
     num_seqs = seq_lens.shape[0]
     _, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -722,7 +728,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
     counters = None
     if rotary is not None:
         k, v, positions, cos_sin_cache, slot_mapping = rotary
-        if splits > 1:
+        if 1 < splits <= cfg.get("fused_merge_max_splits", 32):
             counters = _reduce_counters(q.device, num_seqs * num_kv_heads)
         fused_args = (k, v, positions, cos_sin_cache, slot_mapping, counters if counters is not None else out,
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0))
@@ -740,7 +746,7 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
         LAZY_RESCALE=bool(cfg.get("lazy_rescale")) and splits == 1,
         FUSE_ROTARY=rotary is not None, FUSE_REDUCE=fuse_reduce, SATURATE=_saturate(k_cache),
         SPLITS_PAD=triton.next_power_of_2(splits) if fuse_reduce else 1,
-        REDUCE_CHUNK=cfg.get("fused_merge_chunk", 8),
+        REDUCE_CHUNK=cfg.get("fused_merge_chunk", 16),
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),
@@ -801,8 +807,9 @@ def decode_attention_rotary_triton(
 ) -> torch.Tensor:
     """A decode-only step's attention in one launch: rotary (HF half-split) of ``q`` and ``k``, the
     write of rotated ``k`` and ``v`` to ``slot_mapping``, paged attention over the cache plus the new
-    key, and (when the context is split) the merge of the splits, which the last split program of
-    each (sequence, kv head) to finish does (an arrival counter; no second kernel).
+    key, and (when the context is split into at most ``TUNING["decode"]["fused_merge_max_splits"]``
+    pieces) the merge of the splits, which the last split program of each (sequence, kv head) to
+    finish does (an arrival counter; more splits go to the merge kernel, measured faster there).
 
     Same result as :func:`kvpilot.kernels.reference.rotary_write_kv_cache_ref` followed by
     :func:`kvpilot.kernels.reference.paged_attention_ref` with ``max_query_len = 1``, up to fp32

@@ -136,6 +136,19 @@ def test_fp8_cache(num_splits, key_scale):
         torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("chunk,max_splits", [(2, 32), (16, 2)])
+def test_merge_chunks_and_merge_kernel_fallback(monkeypatch, chunk, max_splits):
+    """The in-kernel merge over several chunks of splits (chunk 2, 5 splits), and a launch with more
+    splits than ``fused_merge_max_splits``, which leaves the merge to the separate kernel (the
+    arrival counters then stay untouched)."""
+    monkeypatch.setitem(attn_mod.TUNING["decode"], "fused_merge_chunk", chunk)
+    monkeypatch.setitem(attn_mod.TUNING["decode"], "fused_merge_max_splits", max_splits)
+    case = _step([300, 10, 200], 8, 2, 64, 16, torch.float32, seed=7)
+    want = _run(decode_attention_rotary_ref, case, "cpu")[0]
+    got = _run(decode_attention_rotary_triton, case, DEVICE, num_splits=5)[0]
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
 def test_counters_reset_and_reused():
     """The arrival counters the merge uses are left at zero, so a second launch (a CUDA graph's next
     replay) merges again; results are identical run to run."""

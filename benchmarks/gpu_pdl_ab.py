@@ -1,5 +1,5 @@
 """Batch-1 decode with and without programmatic dependent launch (``KVPILOT_PDL``, kernels/pdl.py),
-or another on/off environment switch (``--env``, e.g. ``KVPILOT_FUSED_DECODE_ATTENTION``).
+or another on/off environment switch (``--env``, e.g. ``KVPILOT_FUSED_GEMV``).
 
 Builds the engine of `gpu_recheck.py` (Llama-3.1-8B-shaped random bf16 weights, FP8 KV cache) once
 per setting, in the order ``--modes`` gives (alternated, to show drift), and for each:
@@ -10,7 +10,7 @@ per setting, in the order ``--modes`` gives (alternated, to show drift), and for
   first setting's exactly: PDL changes when kernels start, never what they compute.
 
     python3 benchmarks/gpu_pdl_ab.py [--modes 0 1 0 1]      # exits 1 if any tokens differ
-    python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_FUSED_DECODE_ATTENTION --allow-diff
+    python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_FUSED_GEMV --allow-diff
 
 ``--allow-diff`` is for switches that change the fp32 summation order (not only timing): tokens are
 then compared per prompt (first differing step) and only reported.

@@ -61,14 +61,6 @@ def fused_gemv_enabled() -> bool:
     return os.environ.get("KVPILOT_FUSED_GEMV", "1") not in ("0", "false", "False", "no")
 
 
-def fused_decode_attention_enabled() -> bool:
-    """``KVPILOT_FUSED_DECODE_ATTENTION`` (default 1; read at each call, so a CUDA graph keeps the
-    value it was captured with): CUDA decode-only steps of at most ``_FUSED_DECODE_MAX_SEQS``
-    sequences run rotary, the KV-cache write and attention as one launch
-    (:func:`kvpilot.kernels.decode_attention_rotary`); 0 keeps them apart."""
-    return os.environ.get("KVPILOT_FUSED_DECODE_ATTENTION", "1") not in ("0", "false", "False", "no")
-
-
 def tp_reduce_fp32_enabled() -> bool:
     """``KVPILOT_TP_REDUCE_FP32`` (default 0): 1 sums row-parallel outputs across tensor-parallel
     ranks in float32 and rounds once (module docstring); 0 sums rounded 16-bit partials."""
@@ -76,9 +68,6 @@ def tp_reduce_fp32_enabled() -> bool:
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-_FUSED_DECODE_MAX_SEQS = 1
-"""Largest decode step (sequences) that takes the one-launch attention (`fused_decode_attention_enabled`);
-measured on an H200 (BENCHMARKS.md, eighth session)."""
 
 
 @dataclass
@@ -191,17 +180,10 @@ class LlamaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if (meta.max_query_len == 1 and meta.seq_lens.shape[0] <= _FUSED_DECODE_MAX_SEQS and q.is_cuda
-                and K.triton_available() and fused_decode_attention_enabled()):
-            # Small decode steps: rotary, KV write, attention and the split merge in one launch.
-            out = K.decode_attention_rotary(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
-                                            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
-                                            meta.max_seq_len)
-        else:
-            # One launch: rotates q (in place on CUDA), writes rotated k and v to their slots.
-            q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-            out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                    self.scale, meta.max_query_len, meta.max_seq_len)
+        # One launch: rotates q (in place on CUDA), writes rotated k and v to their slots.
+        q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+        out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                self.scale, meta.max_query_len, meta.max_seq_len)
         out = out.reshape(n, self.q_size)
         return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias, KG.gemv if fused_gemv else KG.gemv_ref,
                                     self.reduce_fp32)

@@ -28,7 +28,6 @@ from .reference import (
     FP8_KV_MAX,
     apply_rotary_ref,
     build_rope_cache,
-    decode_attention_rotary_ref,
     paged_attention_ref,
     rms_norm_ref,
     rotary_write_kv_cache_ref,
@@ -56,9 +55,6 @@ __all__ = [
     "rotary_write_kv_cache",
     "rotary_write_kv_cache_ref",
     "rotary_write_kv_cache_triton",
-    "decode_attention_rotary",
-    "decode_attention_rotary_ref",
-    "decode_attention_rotary_triton",
     "build_rope_cache",
     "silu_and_mul",
     "silu_and_mul_ref",
@@ -115,12 +111,6 @@ def rotary_write_kv_cache_triton(q, k, v, positions, cos_sin_cache, k_cache, v_c
     return _triton_impl("kv_cache", "rotary_write_kv_cache_triton")(
         q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping
     )
-
-
-def decode_attention_rotary_triton(*args, **kwargs):
-    """Triton version of :func:`~kvpilot.kernels.reference.decode_attention_rotary_ref`: one launch
-    (``kernels/attention.py``); also takes keyword ``num_splits`` (tests)."""
-    return _triton_impl("attention", "decode_attention_rotary_triton")(*args, **kwargs)
 
 
 def silu_and_mul_triton(x):
@@ -196,16 +186,6 @@ def rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
 
 
 _fused_rotary_failed = False
-
-
-def decode_attention_rotary(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                            seq_lens, query_start_loc, scale, max_seq_len):
-    """Rotary, KV-cache write and attention of a decode-only step (at most one query per sequence);
-    Triton on CUDA (one launch), reference otherwise. ``q``, ``k``, ``v`` are not modified. See
-    :func:`~kvpilot.kernels.reference.decode_attention_rotary_ref` for shapes and errors."""
-    fn = decode_attention_rotary_triton if _use_triton(q) else decode_attention_rotary_ref
-    return fn(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-              query_start_loc, scale, max_seq_len)
 
 
 def silu_and_mul(x):

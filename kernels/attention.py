@@ -35,8 +35,7 @@ import triton.language as tl
 
 from .pdl import launch_options, pdl_enter, pdl_mode
 
-from .kv_cache import _saturate, _to_cache
-from .reference import _check_attention_args, _check_rotary_args, _check_write_args
+from .reference import _check_attention_args
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +56,6 @@ TUNING = {
         # context, so a short one in a graph captured for a long bound still gets several programs.
         # H200, batch 1, 512 keys, graph bound 2,048: 6.6 us with 64, 8.3 with 128, 11.6 with 256.
         "min_split_tokens": 64,
-        # The one-launch decode step (decode_attention_rotary_triton) merges its splits in the kernel
-        # when the launch has at most fused_merge_max_splits of them, reading fused_merge_chunk
-        # splits per step (registers grow with it). H200, batch 1, 32 layers (BENCHMARKS.md, eighth
-        # session): against the separate merge kernel -1.0% per layer at 512 keys, -0.2% at 2,048,
-        # but +1.3% at 8,192 keys (64 splits: one program reading 128 KB of partials), so launches
-        # with more splits (context buckets above 2,048 tokens) keep the merge kernel.
-        "fused_merge_chunk": 16,
-        "fused_merge_max_splits": 32,
         # Launch of batches that fill the GPU without splits (programs >= no_split_per_sm * SMs):
         # bandwidth-bound, best with more, smaller programs in flight (H200, batch 256 x 1,280 keys:
         # 318 us per layer against 338 us with 4 warps and 2 stages; BENCHMARKS.md).
@@ -260,16 +251,6 @@ def _prefill_reduce_kernel(
 
 
 @triton.jit
-def _rotate(x, x_pair, cos, sin, lo):
-    """Rotary (HF half-split) of ``x`` given each element's partner ``x_pair`` (the element half a head
-    away) and whether it lies in the first half (``lo``): ``x cos - x_pair sin`` there, ``x cos +
-    x_pair sin`` in the second; fp32 math, rounded to ``x``'s dtype."""
-    xf = x.to(tl.float32)
-    pf = x_pair.to(tl.float32)
-    return tl.where(lo, xf * cos - pf * sin, xf * cos + pf * sin).to(x.dtype)
-
-
-@triton.jit
 def _split_size(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """Keys per split of one sequence: its own context over ``num_splits``, in whole ``BLOCK_N``
     tiles and at least ``MIN_SPLIT``. Taken from the sequence's length on the device (not from the
@@ -292,17 +273,11 @@ def _decode_kernel(
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt,
-    # The fused decode step (FUSE_ROTARY, `decode_attention_rotary_triton`): the new token's raw k/v,
-    # positions, rope cache, slots; FUSE_REDUCE's per-(sequence, kv head) arrival counters.
-    k_new_ptr, v_new_ptr, pos_ptr, cos_sin_ptr, slot_ptr, counter_ptr,
-    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
-    FUSE_ROTARY: tl.constexpr = False, FUSE_REDUCE: tl.constexpr = False, SATURATE: tl.constexpr = 0.0,
-    REDUCE_CHUNK: tl.constexpr = 16, SPLITS_PAD: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
@@ -324,41 +299,11 @@ def _decode_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     token = q_start.to(tl.int64)
-    q_mask = g_ok[:, None] & d_ok[None, :]
-    q_rows = q_ptr + token * stride_qt + head[:, None] * stride_qh
-    q = tl.load(q_rows + d[None, :], mask=q_mask, other=0.0)
-    # The last split holds the new token's key (context index seq_len - 1).
-    last = kv_end == seq_len
-    loop_end = kv_end
-    if FUSE_ROTARY:
-        # Rotary (HF half-split) of q and of the new key, as `_rotary_write_kv_kernel` computes it:
-        # element d pairs with d +- HEAD_DIM / 2 (`pair`), cos/sin index d mod HEAD_DIM / 2.
-        lo = d < HEAD_DIM // 2
-        pair = tl.where(lo, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-        half_i = tl.where(lo, d, d - HEAD_DIM // 2)
-        new_ok = d < tl.where(last, HEAD_DIM, 0)  # (the interpreter rejects a tensor & scalar mask)
-        kn = k_new_ptr + token * stride_knt + kv_head * stride_knh
-        k_x = tl.load(kn + d, mask=new_ok, other=0.0)
-        k_p = tl.load(kn + pair, mask=new_ok, other=0.0)
-        v_x = tl.load(v_new_ptr + token * stride_vnt + kv_head * stride_vnh + d, mask=new_ok, other=0.0)
-        q_p = tl.load(q_rows + pair[None, :], mask=q_mask, other=0.0)
-        pos = tl.load(pos_ptr + token).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * stride_cs + half_i, mask=d_ok, other=0.0)
-        sin = tl.load(cos_sin_ptr + pos * stride_cs + HEAD_DIM // 2 + half_i, mask=d_ok, other=0.0)
-        q = _rotate(q, q_p, cos[None, :], sin[None, :], lo[None, :])
-        # The rotated key rounded to k's dtype, then to the cache's (as the separate write does).
-        k_c = _to_cache(_rotate(k_x, k_p, cos, sin, lo), k_cache_ptr, SATURATE)
-        v_c = _to_cache(v_x, v_cache_ptr, SATURATE)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        w_ok = d < tl.where(last & (slot >= 0), HEAD_DIM, 0)
-        slot = tl.maximum(slot, 0)
-        blk_new = slot // BLOCK_SIZE
-        off_new = slot % BLOCK_SIZE
-        tl.store(k_cache_ptr + blk_new * stride_kb + off_new * stride_ks + kv_head * stride_kh + d, k_c, mask=w_ok)
-        tl.store(v_cache_ptr + blk_new * stride_vb + off_new * stride_vs + kv_head * stride_vh + d, v_c, mask=w_ok)
-        # This program adds the new key from registers after its loop, so it never reads the slot
-        # it writes, and no other program's range holds that key.
-        loop_end = tl.where(last, seq_len - 1, kv_end)
+    q = tl.load(
+        q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if DOT_FP32:
         q = q.to(tl.float32)
     elif KV_F16:  # an FP8 cache: dots in fp16 (e4m3 -> f16 is one conversion; -> bf16 is several)
@@ -368,9 +313,9 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(kv_start, loop_end, BLOCK_N):
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < loop_end
+        n_ok = n < kv_end
         blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = n % BLOCK_SIZE
         k = tl.load(
@@ -419,68 +364,18 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
-    if FUSE_ROTARY:
-        # The new key, as the loop would read it back from the cache; only the last split has it
-        # (its loop may have been empty: m_i = -inf, alpha = 0).
-        if DOT_FP32:
-            k_d = k_c.to(tl.float32)
-            v_d = v_c.to(tl.float32)
-        else:
-            k_d = k_c.to(q.dtype)
-            v_d = v_c.to(q.dtype)
-        s_new = tl.sum(q.to(tl.float32) * k_d.to(tl.float32)[None, :], 1) * scale_log2
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp2(m_i - m_new)
-        p_new = tl.exp2(s_new - m_new)
-        p_v = p_new.to(v_d.dtype).to(tl.float32)[:, None] * v_d.to(tl.float32)[None, :]
-        acc = tl.where(last, acc * alpha[:, None] + p_v, acc)
-        l_i = tl.where(last, l_i * alpha + p_new, l_i)
-        m_i = tl.where(last, m_new, m_i)
-
     out = acc / l_i[:, None]
-    out_rows = out_ptr + token * stride_ot + head[:, None] * stride_oh
     if not SPLIT:
-        tl.store(out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(
+            out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
     else:
         # part_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM_PAD]; part_lse: [.., num_splits].
-        row0 = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
-        row = row0 + split
+        row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
-        if FUSE_REDUCE:
-            # The last program of this (sequence, kv head) to finish merges the partials of its
-            # group (the CUDA "threadFenceReduction" pattern): every thread's stores come before
-            # the barrier, the counter's acq_rel atomic publishes them, and the partials are read
-            # past L1 (.cg). The merging program resets the counter for the next launch.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * (NUM_HEADS // GROUP) + kv_head
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            num_valid = tl.cdiv(seq_len, partition_size)
-            if arrived == num_valid - 1:
-                tl.store(counter, 0)
-                sp = tl.arange(0, SPLITS_PAD)
-                lse_all = tl.load(
-                    part_lse_ptr + row0[:, None] + sp[None, :],
-                    mask=g_ok[:, None] & (sp < num_valid)[None, :], other=float("-inf"), cache_modifier=".cg",
-                )  # fmt: skip
-                lse_max = tl.max(lse_all, 1)
-                total = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
-                w_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
-                c = tl.arange(0, REDUCE_CHUNK)
-                for s0 in range(0, num_valid, REDUCE_CHUNK):
-                    c_ok = g_ok[:, None] & ((s0 + c) < num_valid)[None, :]
-                    lse = tl.load(part_lse_ptr + row0[:, None] + s0 + c[None, :], mask=c_ok, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    part = tl.load(
-                        part_out_ptr + (row0[:, None, None] + s0 + c[None, :, None]) * HEAD_DIM_PAD
-                        + d[None, None, :],
-                        mask=c_ok[:, :, None], other=0.0, cache_modifier=".cg",
-                    )  # fmt: skip
-                    w = tl.exp2(lse - lse_max[:, None])
-                    w_sum += tl.sum(w, 1)
-                    total += tl.sum(part * w[:, :, None], 1)
-                merged = total / w_sum[:, None]
-                tl.store(out_rows + d[None, :], merged.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -636,9 +531,21 @@ def paged_attention_triton(
     seq_lens = seq_lens.to(torch.int32)
     query_start_loc = query_start_loc.to(torch.int32)
     head_dim_pad = _pow2_at_least(head_dim)
+    # fp32 inputs would otherwise be rounded to tf32 inside tl.dot on recent GPUs.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     scale_log2 = float(scale) * _LOG2E
-    precision, dot_fp32, kv_f16 = _attention_setup(q, k_cache)
-    common_strides = _common_strides(q, k_cache, v_cache, out, block_tables)
+    # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9), so upcast there.
+    # An FP8 cache is read into fp16 dots (q rounded to fp16, saturating): on an H200 converting e4m3
+    # to bf16 made the decode kernel compute-bound at about half the copy bandwidth.
+    kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
+    dot_fp32 = q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16
+    common_strides = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+    )  # fmt: skip
 
     if max_query_len > 1:
         cfg = TUNING["prefill"]
@@ -674,42 +581,6 @@ def paged_attention_triton(
             return out
         num_splits = None  # an override above was the prefill kernel's
 
-    _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, max_seq_len,
-            num_splits, precision, dot_fp32, kv_f16, common_strides)
-    return out
-
-
-_REDUCE_COUNTERS: dict = {}
-_RETIRED_COUNTERS: list = []  # outgrown buffers: CUDA graphs captured with them may still replay
-
-
-def _reduce_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """A zeroed int32 buffer of at least ``n`` arrival counters on ``device`` (`_decode_kernel`'s
-    FUSE_REDUCE; each launch leaves them zero again), shared by all launches on the device, which the
-    stream orders. None while a CUDA graph is being captured and the buffer is missing or too small:
-    allocating it then would put its memset in the graph (the caller launches the reduction kernel)."""
-    buf = _REDUCE_COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        if buf is not None:
-            _RETIRED_COUNTERS.append(buf)
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _REDUCE_COUNTERS[device] = buf
-    return buf
-
-
-def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, max_seq_len,
-            num_splits, precision, dot_fp32, kv_f16, common_strides, rotary=None):
-    """Launch `_decode_kernel` (+ `_reduce_kernel` when it splits and does not merge itself) into
-    ``out``. ``rotary`` = (k, v, positions, cos_sin_cache, slot_mapping) fuses rotary and the KV write
-    of the new tokens (`decode_attention_rotary_triton`), and then the split merge too, up to
-    ``TUNING["decode"]["fused_merge_max_splits"]`` splits."""
-    num_seqs = seq_lens.shape[0]
-    _, num_heads, head_dim = q.shape
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    head_dim_pad = _pow2_at_least(head_dim)
     splits = num_splits or _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     cfg = TUNING["decode"]
     full = splits == 1 and num_seqs * num_kv_heads >= cfg["no_split_per_sm"] * _device_sms(q.device)
@@ -725,35 +596,22 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    counters = None
-    if rotary is not None:
-        k, v, positions, cos_sin_cache, slot_mapping = rotary
-        if 1 < splits <= cfg.get("fused_merge_max_splits", 32):
-            counters = _reduce_counters(q.device, num_seqs * num_kv_heads)
-        fused_args = (k, v, positions, cos_sin_cache, slot_mapping, counters if counters is not None else out,
-                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0))
-    else:
-        fused_args = (q, q, seq_lens, q, seq_lens, out, 0, 0, 0, 0, 0)  # unused
-    fuse_reduce = counters is not None
     maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
     pdl = pdl_mode(q.device, num_seqs)
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
-        scale_log2, splits, *common_strides, *fused_args,
+        scale_log2, splits, *common_strides,
         NUM_HEADS=num_heads, SPLIT=splits > 1, MIN_SPLIT=min_split, GROUP=group, BLOCK_G=_pow2_at_least(group),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
         PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16,
         LAZY_RESCALE=bool(cfg.get("lazy_rescale")) and splits == 1,
-        FUSE_ROTARY=rotary is not None, FUSE_REDUCE=fuse_reduce, SATURATE=_saturate(k_cache),
-        SPLITS_PAD=triton.next_power_of_2(splits) if fuse_reduce else 1,
-        REDUCE_CHUNK=cfg.get("fused_merge_chunk", 16),
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_num_warps"] if full else cfg["num_warps"],
         num_stages=(cfg["batch_num_stages_fp8" if kv_f16 else "batch_num_stages"] if full else cfg["num_stages"]),
         # (a compile option: the CPU interpreter has no registers to cap)
         **({"maxnreg": maxnreg} if full and maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )  # fmt: skip
-    if splits > 1 and not fuse_reduce:
+    if splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, splits,
             out.stride(0), out.stride(1),
@@ -764,80 +622,4 @@ def _decode(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, s
             num_warps=1 if triton.next_power_of_2(splits) * head_dim_pad <= 16 * 128 else 4,
             USE_PDL=pdl > 0, **launch_options(pdl),
         )  # fmt: skip
-
-
-def _attention_setup(q, k_cache):
-    """(precision, dot_fp32, kv_f16) of a launch: see `paged_attention_triton`."""
-    # fp32 inputs would otherwise be rounded to tf32 inside tl.dot on recent GPUs.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton 3.9), so upcast there.
-    # An FP8 cache is read into fp16 dots (q rounded to fp16, saturating): on an H200 converting e4m3
-    # to bf16 made the decode kernel compute-bound at about half the copy bandwidth.
-    kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
-    dot_fp32 = q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16
-    return precision, dot_fp32, kv_f16
-
-
-def _common_strides(q, k_cache, v_cache, out, block_tables) -> tuple:
-    return (
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-    )  # fmt: skip
-
-
-def decode_attention_rotary_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    *,
-    num_splits: int | None = None,
-) -> torch.Tensor:
-    """A decode-only step's attention in one launch: rotary (HF half-split) of ``q`` and ``k``, the
-    write of rotated ``k`` and ``v`` to ``slot_mapping``, paged attention over the cache plus the new
-    key, and (when the context is split into at most ``TUNING["decode"]["fused_merge_max_splits"]``
-    pieces) the merge of the splits, which the last split program of each (sequence, kv head) to
-    finish does (an arrival counter; more splits go to the merge kernel, measured faster there).
-
-    Same result as :func:`kvpilot.kernels.reference.rotary_write_kv_cache_ref` followed by
-    :func:`kvpilot.kernels.reference.paged_attention_ref` with ``max_query_len = 1``, up to fp32
-    summation order; ``q``, ``k`` and ``v`` are not modified. Every sequence has at most one query
-    (``query_start_loc`` steps of 0 or 1: a 0 is a padded sequence, skipped) and the new token's slot
-    is its sequence's context index ``seq_lens - 1`` (what the engine's block tables give: the new
-    key is used from registers, never read back). Shapes as in those references: ``q``
-    ``[num_tokens, num_heads, head_dim]``, ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]``
-    (strided views of a fused QKV output are fine), ``positions``/``slot_mapping`` ``[num_tokens]``
-    (slot -1: not written), ``cos_sin_cache`` ``[max_positions, head_dim]``. Returns
-    ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; rows no sequence covers are unwritten.
-
-    Raises:
-        ValueError: on inconsistent shapes, a non-contiguous last dimension or an odd ``head_dim``.
-    """
-    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
-    _check_rotary_args(q, k, positions, cos_sin_cache)
-    _check_write_args(k, v, k_cache, v_cache, slot_mapping)
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_tables", block_tables), ("cos_sin_cache", cos_sin_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    out = torch.empty_like(q)
-    if seq_lens.shape[0] == 0 or q.shape[0] == 0:
-        return out
-    precision, dot_fp32, kv_f16 = _attention_setup(q, k_cache)
-    _decode(q, k_cache, v_cache, block_tables, seq_lens.to(torch.int32), query_start_loc.to(torch.int32), out,
-            float(scale) * _LOG2E, max_seq_len, num_splits, precision, dot_fp32, kv_f16,
-            _common_strides(q, k_cache, v_cache, out, block_tables),
-            rotary=(k, v, positions, cos_sin_cache, slot_mapping))
     return out

@@ -30,7 +30,6 @@ __all__ = [
     "rotary_write_kv_cache_ref",
     "build_rope_cache",
     "silu_and_mul_ref",
-    "decode_attention_rotary_ref",
 ]
 
 
@@ -370,38 +369,6 @@ def rotary_write_kv_cache_ref(
     q_rot, k_rot = apply_rotary_ref(q, k, positions, cos_sin_cache)
     write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
     return q_rot
-
-
-def decode_attention_rotary_ref(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-) -> torch.Tensor:
-    """A decode-only step's attention: :func:`rotary_write_kv_cache_ref` then
-    :func:`paged_attention_ref` with ``max_query_len = 1`` (the Triton version is one launch).
-
-    Args: as those two functions'; every sequence has at most one query token. ``q``, ``k`` and
-    ``v`` are not modified; the caches receive the rotated key and the value at ``slot_mapping``.
-
-    Returns:
-        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
-
-    Raises:
-        ValueError: as those two functions raise.
-    """
-    q_rot = rotary_write_kv_cache_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention_ref(q_rot, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1,
-                               max_seq_len)
 
 
 def _check_rotary_args(q, k, positions, cos_sin_cache) -> None:

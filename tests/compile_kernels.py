@@ -387,22 +387,6 @@ def _rotary_write(sh: Shard, tokens, kv_dtype):
     return case
 
 
-def _decode_rotary(sh: Shard, seqs: int, ctx: int, kv_dtype):
-    """The fused decode step (rotary + KV write + attention + split merge) the model runs at small batch."""
-    def case():
-        from kvpilot.kernels.attention import decode_attention_rotary_triton
-
-        b = _batch([1] * seqs, [ctx] * seqs)
-        cos_sin = torch.empty(8192, HEAD_DIM, dtype=torch.float32)
-        q, k, v = _qkv(sh, seqs)
-        k_cache, v_cache = _kv_cache(sh, kv_dtype, num_blocks=b["block_tables"].numel())
-        decode_attention_rotary_triton(q, k, v, b["positions"], cos_sin, k_cache, v_cache, b["slot_mapping"],
-                                       b["block_tables"], b["seq_lens"], b["query_start_loc"], HEAD_DIM ** -0.5,
-                                       b["max_seq_len"])
-
-    return case
-
-
 def _pointwise(sh: Shard, tokens):
     def case():
         from kvpilot.kernels import rms_norm_triton, silu_and_mul_triton
@@ -560,12 +544,6 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         # Rotary + KV write: < 32 tokens split heads over programs, from 32 on one program per token.
         out.append((f"rotary+kv write {dn} kv, 1 token", _rotary_write(one, 1, dt)))
         out.append((f"rotary+kv write {dn} kv, 256 tokens", _rotary_write(one, 256, dt)))
-        # The fused decode step: 1 sequence at 1,500 tokens (24 splits, merged in the kernel), at
-        # 4,000 (63 splits: the merge kernel), and 8 sequences at 40 tokens (a single split).
-        out.append((f"decode attention+rotary {dn} kv, split", _with_pdl(1, _decode_rotary(one, 1, 1499, dt))))
-        out.append((f"decode attention+rotary {dn} kv, many splits",
-                    _with_pdl(1, _decode_rotary(one, 1, 3999, dt))))
-        out.append((f"decode attention+rotary {dn} kv, no split", _decode_rotary(one, 8, 40, dt)))
     for t in (1, 256):  # RMSNorm's early weight load is on up to 64 rows
         out.append((f"rms_norm + silu_and_mul, {t} tokens", _pointwise(one, t)))
     for m in (1, 2, 8):
@@ -575,7 +553,6 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 attention decode bf16 kv, split", _attention(tp8, [1], [3999], BF16)))
     out.append(("tp=8 attention prefill fp8 kv, mixed", _attention(tp8, [512, 1], [0, 500], torch.float8_e4m3fn)))
     out.append(("tp=8 rotary+kv write bf16 kv, 1 token", _rotary_write(tp8, 1, BF16)))
-    out.append(("tp=8 decode attention+rotary bf16 kv, split", _decode_rotary(tp8, 1, 1499, BF16)))
     out.append(("tp=8 rms_norm + silu_and_mul, 1 token", _pointwise(tp8, 1)))
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     # The batch-1 decode chain with programmatic dependent launch (kernels/pdl.py, on by default).

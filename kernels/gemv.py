@@ -206,7 +206,7 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: bool = False) -> dict:
+                  norm_one_load: bool = False, early_weight: bool = False, vec: int = 0) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
@@ -216,15 +216,20 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
     ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
+    ``vec`` > 0 (fma, ``block_m`` 1, no ``prefetch`` / ``early_weight``) loads weight tiles as
+    ``[block_n, block_k / vec, vec]`` and sums each ``vec`` run of products at once, so the
+    accumulator is ``vec`` times smaller (``vec`` = 16 bytes / element size keeps one vector per thread).
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
     if early_weight and prefetch:
         raise ValueError("early_weight and prefetch cannot be combined")
+    if vec and (kind != "fma" or block_m != 1 or prefetch or early_weight or block_k % vec):
+        raise ValueError("vec needs kind 'fma', block_m 1, block_k a multiple of vec, no prefetch or early_weight")
     return dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                 num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                 programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                early_weight=early_weight)  # fmt: skip
+                early_weight=early_weight, vec=vec)  # fmt: skip
 
 
 NORM_ONE_LOAD_MAX = 16384
@@ -328,6 +333,31 @@ if triton is not None:
         return a
 
     @triton.jit
+    def _activation_vec(
+        x_ptr, res_ptr, nw_ptr, row, offs, ok, rstd, stride_xm, stride_rm,
+        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+    ):  # fmt: skip
+        # `_activation` of one row (M = 1) at the 2-D k offsets ``offs`` ([BLOCK_K / VEC, VEC]);
+        # ``rstd`` is that row's scalar.
+        xp = x_ptr + row * stride_xm + offs
+        if PROLOGUE == 2:
+            g = _load(xp, ok, EVEN_K)
+            gf = g.to(tl.float32)
+            u = _load(xp + K, ok, EVEN_K).to(tl.float32)
+            a = (gf * tl.sigmoid(gf) * u).to(g.dtype)
+        elif PROLOGUE == 1:
+            h = _load(xp, ok, EVEN_K)
+            if HAS_RESIDUAL:
+                r = _load(res_ptr + row * stride_rm + offs, ok, EVEN_K)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            nw = _load(nw_ptr + offs, ok, EVEN_K)
+            normed = (h.to(tl.float32) * rstd).to(h.dtype)
+            a = (normed.to(tl.float32) * nw.to(tl.float32)).to(h.dtype)
+        else:
+            a = _load(xp, ok, EVEN_K)
+        return a
+
+    @triton.jit
     def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
         # dot: acc[BLOCK_M, BLOCK_N] += a @ w.T; fma: acc[BLOCK_M, BLOCK_N, BLOCK_K] += a * w.
         if USE_DOT:
@@ -345,7 +375,8 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, VEC: tl.constexpr = 0,
+        USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -403,7 +434,7 @@ if triton is not None:
                 pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
             first = pid + tl.num_programs(0)
         for tile in range(first, num_tiles, tl.num_programs(0)):
@@ -411,7 +442,7 @@ if triton is not None:
                 tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
                 M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
 
     @triton.jit
@@ -420,7 +451,8 @@ if triton is not None:
         M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
@@ -431,6 +463,42 @@ if triton is not None:
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, N - 1).to(tl.int64)
         w_rows = w_ptr + cols[:, None] * stride_wn
+        if VEC > 0:
+            # One row (M = 1), weight tiles loaded as [BLOCK_N, BLOCK_K / VEC, VEC] (a thread's
+            # 16-byte vector along the last axis), each vector's products summed in the thread at
+            # once: the accumulator is [BLOCK_N, BLOCK_K / VEC], not [BLOCK_N, BLOCK_K].
+            kk = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+            w_rows3 = w_ptr + cols[:, None, None] * stride_wn
+            row = tl.sum(rows, axis=0)
+            rstd_row = tl.sum(rstd, axis=0)
+            acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                offs = k0 + kk
+                ok = offs < K
+                w = _load(w_rows3 + offs[None, :, :], ok[None, :, :], EVEN_K)
+                a = _activation_vec(x_ptr, res_ptr, nw_ptr, row, offs, ok, rstd_row, stride_xm, stride_rm, K,
+                                    PROLOGUE, HAS_RESIDUAL, EVEN_K)
+                acc += tl.sum(a.to(tl.float32)[None, :, :] * w.to(tl.float32), axis=2)
+            out = tl.sum(acc, axis=1)[None, :]
+        else:
+            out = _tile_2d(
+                w0, HAS_W0, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                PROLOGUE, HAS_RESIDUAL, USE_DOT, DOT_FP32, EVEN_K, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        if HAS_BIAS:
+            out += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+    @triton.jit
+    def _tile_2d(
+        w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
+        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+        EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # A column tile's [BLOCK_M, BLOCK_N] fp32 result with 2-D weight tiles ([BLOCK_N, BLOCK_K]).
         if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
@@ -464,15 +532,10 @@ if triton is not None:
                     PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
-        if USE_DOT:
-            out = acc
-        else:
-            out = tl.sum(acc, axis=2)
-        if HAS_BIAS:
-            out += tl.load(b_ptr + cols).to(tl.float32)[None, :]
-        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+        if not USE_DOT:
+            acc = tl.sum(acc, axis=2)
+        return acc
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
@@ -534,6 +597,7 @@ def _launch(
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
+        VEC=cfg.get("vec", 0),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip

@@ -33,16 +33,18 @@ PERSISTENT = G.launch_config("fma", 8, 16, 64, programs_per_sm=1)  # 4 programs 
 # RMSNorm pass in one load of the row, first weight tile issued before it; persistent, so the
 # early tile is used by each program's first column tile only.
 EARLY = G.launch_config("fma", 4, 16, 64, programs_per_sm=1, norm_one_load=True, early_weight=True)
-CONFIGS = {"table": None, "fma": FMA_SMALL, "dot": DOT_SMALL, "fma_prefetch": FMA_PREFETCH,
+# one row, [BLOCK_N, BLOCK_K / 8, 8] weight tiles summed per 8-vector (M = 1 shapes only)
+VEC = G.launch_config("fma", 1, 16, 64, vec=8, programs_per_sm=1)
+CONFIGS = {"vec": VEC, "table": None, "fma": FMA_SMALL, "dot": DOT_SMALL, "fma_prefetch": FMA_PREFETCH,
            "dot_prefetch": DOT_PREFETCH, "persistent": PERSISTENT, "early": EARLY}  # fmt: skip
 # Each configuration once per dtype would double the interpreter's time; pair them instead.
 CASES = [("table", torch.float32), ("table", torch.bfloat16), ("fma", torch.float32), ("dot", torch.bfloat16),
          ("fma_prefetch", torch.bfloat16), ("dot_prefetch", torch.float32), ("persistent", torch.float32),
-         ("early", torch.float32)]
+         ("early", torch.float32), ("vec", torch.bfloat16), ("vec", torch.float32)]
 
 # M, K, N: a partial K tile (200), N not a multiple of the tile (77, 200), M of 1, 3 (clamped
 # rows), 8 (tl.dot path in the table).
-SHAPES = [(1, 64, 48), (3, 200, 77), (8, 512, 200)]
+SHAPES = [(1, 64, 48), (1, 200, 40), (3, 200, 77), (8, 512, 200)]
 
 
 def _tol(dtype):

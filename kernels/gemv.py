@@ -243,7 +243,7 @@ _cfg = launch_config
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
         (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
-        (1, 0, _cfg("fma", 1, 4, 2048, programs_per_sm=4, norm_one_load=True)),
+        (1, 0, _cfg("fma", 1, 4, 2048, programs_per_sm=8, norm_one_load=True, vec=8)),
         (2, 16384, _cfg("fma", 2, 8, 512, programs_per_sm=4)),
         (2, 0, _cfg("fma", 2, 4, 1024, programs_per_sm=4)),
         (16, 0, _cfg("dot", 16, 32, 256, num_stages=3, programs_per_sm=2)),
@@ -255,7 +255,7 @@ CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
         (16, 0, _cfg("dot", 16, 32, 256, prefetch=True)),
     ],
     "plain": [
-        (1, 0, _cfg("fma", 1, 4, 1024)),
+        (1, 0, _cfg("fma", 1, 2, 2048, vec=8)),
         (2, 0, _cfg("fma", 2, 8, 512)),
         (4, 0, _cfg("fma", 4, 8, 256, prefetch=True)),
         (16, 0, _cfg("dot", 16, 32, 256, num_stages=3)),

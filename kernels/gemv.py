@@ -33,6 +33,8 @@ fp32:
 - "dot" (larger M): ``tl.dot`` on ``[16, BLOCK_K] x [BLOCK_K, BLOCK_N]`` (mma). Rows past M are
   clamped copies of row M-1 and are never stored. ``num_stages`` tiles are in flight.
 - ``prefetch`` (either): register double buffering of the next K tile.
+- ``vec`` (fma, M = 1 only): weight tiles loaded as ``[BLOCK_N, BLOCK_K / vec, vec]`` and each
+  thread's vector of products summed at once, a ``vec`` times smaller accumulator.
 
 The RMSNorm prologue needs each row's mean square before the first tile. So every program first
 sweeps its rows of ``x`` (+ ``residual``) once (``M * K`` elements, from L2 after the first
@@ -215,25 +217,45 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
-    ``early_weight`` issues a program's first weight tile before that pass (not with ``prefetch``).
+    ``early_weight`` issues a program's first weight tile before that one-load pass (RMSNorm
+    prologue only; not with ``prefetch``).
     ``vec`` > 0 (fma, ``block_m`` 1, no ``prefetch`` / ``early_weight``) loads weight tiles as
     ``[block_n, block_k / vec, vec]`` and sums each ``vec`` run of products at once, so the
     accumulator is ``vec`` times smaller (``vec`` = 16 bytes / element size keeps one vector per thread).
+
+    Raises ValueError on an unknown ``kind``, ``early_weight`` with ``prefetch``, or a ``vec`` that is
+    not 0 or a power of two or is combined with what it excludes.
     """
     if kind not in ("fma", "dot"):
         raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
-    if early_weight and prefetch:
+    return _check_config(dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
+                              num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+                              programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
+                              early_weight=early_weight, vec=vec))  # fmt: skip
+
+
+def _check_config(cfg: dict) -> dict:
+    """``cfg`` itself after checking the option combinations the kernel cannot run (ValueError).
+
+    Also applied to ``config=`` dicts given to the ``*_triton`` functions: a ``vec`` dict edited to
+    ``block_m`` > 1 or ``use_dot`` would otherwise read the row ``sum(rows)`` of ``x`` (beyond M)."""
+    vec = cfg.get("vec", 0)
+    if cfg.get("early_weight") and cfg.get("prefetch"):
         raise ValueError("early_weight and prefetch cannot be combined")
-    if vec and (kind != "fma" or block_m != 1 or prefetch or early_weight or block_k % vec):
+    if vec < 0 or vec & (vec - 1):
+        raise ValueError(f"vec must be 0 or a power of two, got {vec}")
+    if vec and (cfg["use_dot"] or cfg["block_m"] != 1 or cfg.get("prefetch") or cfg.get("early_weight")
+                or cfg["block_k"] % vec):
         raise ValueError("vec needs kind 'fma', block_m 1, block_k a multiple of vec, no prefetch or early_weight")
-    return dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
-                num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                early_weight=early_weight, vec=vec)  # fmt: skip
+    return cfg
 
 
-NORM_ONE_LOAD_MAX = 16384
-"""Largest ``block_m * next_pow2(K)`` the one-load RMSNorm pass holds in registers (``launch_config``)."""
+NORM_ONE_LOAD_MAX = 4096
+"""Largest ``block_m * next_pow2(K)`` for the one-load RMSNorm pass (``launch_config``), which also
+gates ``early_weight``: measured at K = 4096 (Llama-3.1-8B). Above it ptxas needs more registers
+than the launch table's programs per SM allow (K = 16384: 164 for the ``vec`` row, 248 for gate/up's,
+from a CPU compile for sm_90; tests/test_review_session8.py), so larger hidden sizes keep the
+K-tile loop until measured."""
 
 
 _cfg = launch_config
@@ -566,8 +588,10 @@ def _launch(
         raise ValueError("weight must be contiguous along its input dimension (nn.Linear layout)")
     if residual is not None and residual.stride(-1) != 1:
         residual = residual.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()  # the kernel reads bias[n] at b_ptr + n
     m, n = x.shape[0], weight.shape[0]
-    cfg = config or gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
+    cfg = _check_config(config) if config else gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
     if m > cfg["block_m"]:
         raise ValueError(f"{m} rows exceed the launch configuration's block_m={cfg['block_m']}")
     # The kernel accumulates in fp32 and rounds only in its store, to y's dtype.
@@ -587,6 +611,8 @@ def _launch(
     norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0
     if norm_pad * cfg["block_m"] > NORM_ONE_LOAD_MAX:
         norm_pad = 0
+    # The early tile overlaps the norm pass; measured only together with the one-load pass.
+    early = bool(cfg.get("early_weight")) and not cfg.get("prefetch") and norm_pad > 0
     _gemv_kernel[grid](
         x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
@@ -596,7 +622,7 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        NORM_PAD=norm_pad, EARLY_W=bool(cfg.get("early_weight")) and not cfg.get("prefetch"),
+        NORM_PAD=norm_pad, EARLY_W=early,
         VEC=cfg.get("vec", 0),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
@@ -612,7 +638,8 @@ def gemv_triton(
     ``out_dtype`` included: float32 stores the kernel's fp32 accumulator plus bias unrounded).
 
     ``config`` overrides :func:`gemv_config` (benchmarks). Raises ValueError also when the weight is
-    not contiguous along K, its dtype differs from ``x``'s, or ``M`` exceeds the configuration.
+    not contiguous along K, its dtype differs from ``x``'s, ``M`` exceeds the configuration, or the
+    configuration combines options :func:`launch_config` refuses.
     """
     if x.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K], got {tuple(x.shape)}")

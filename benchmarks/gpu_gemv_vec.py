@@ -9,7 +9,7 @@ The fma path's register accumulator holds one fp32 partial sum per weight elemen
 per SM and so the weight bytes in flight. ``vec=8`` loads each tile as ``[BLOCK_N, BLOCK_K / 8, 8]``
 and sums a thread's 16-byte vector of products at once (a ``[BLOCK_N, BLOCK_K / 8]`` accumulator),
 which frees registers for more programs per SM. (An earlier attempt, ``ksub``, reshaped 2-D tiles
-instead; Triton then moved data between threads and it ran 2x slower: BENCHMARKS.md, eighth session.)
+instead; Triton then moved data between threads and it ran 1.6-2.8x slower: BENCHMARKS.md, eighth session.)
 
 1. Each of the four batch-1 products (M = 1, Llama-3.1-8B shapes, bf16) alone: the current table's
    configuration, cuBLAS (``torch.matmul``), and the candidates below, as us per call in CUDA

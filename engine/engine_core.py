@@ -122,6 +122,22 @@ class _InFlight:
     handle: object
     seqs: list[Sequence]
     gen: Optional[list]
+    # An executor with ``defers_logits``: (logits, their rows to sample or None for all, sampling
+    # rows) while the sampler is not launched yet (``handle`` is None until `_start_inflight`).
+    launch: Optional[tuple] = None
+
+
+class _Ready:
+    """A sampler call already read (`_start_inflight`'s fallback): ``finish()`` returns its output."""
+
+    redrawn = ()
+
+    def __init__(self, out: SamplerOutput) -> None:
+        self.out = out
+        self.tokens = torch.tensor(out.token_ids, dtype=torch.int64)
+
+    def finish(self) -> SamplerOutput:
+        return self.out
 
 
 @dataclass(slots=True)
@@ -168,6 +184,9 @@ class EngineCore:
             dev = getattr(executor, "device", None)
             async_scheduling = async_scheduling_enabled(default=dev is not None and torch.device(dev).type == "cuda")
         self.async_scheduling = async_scheduling
+        # The executor returns a step's logits before they exist (a tensor-parallel executor's
+        # asynchronous steps: module docstring).
+        self._defers = bool(getattr(executor, "defers_logits", False))
         self.num_overlapped_steps = 0
         self._inflight: Optional[_InFlight] = None  # the step whose tokens are still on the device
         # Tokens read from the in-flight step outside `step` (an abort, `fail_all`): the next stats count them.
@@ -265,6 +284,12 @@ class EngineCore:
                 self._late_generated += self._resolve_inflight()[0]
             except Exception:
                 logger.exception("dropping the in-flight step's tokens")
+        abandon = getattr(self.executor, "abandon_steps", None) if self._defers else None
+        if abandon is not None:
+            try:
+                abandon()  # steps the failed call sent and will never read
+            except Exception:
+                logger.exception("releasing the executor's unread steps")
         pending = self._take_pending()
         if pending:
             try:
@@ -339,6 +364,7 @@ class EngineCore:
             return self._stats(t0, sched, 0, num_generated)
         plan: list[ScheduledSeq] = []
         num_context = num_prompt_tokens = 0
+        host_logits = False  # a row needs this step's logits on the host this step (prompt logprobs)
         # Per-sequence work here and below runs for every sequence of every step (hundreds at large
         # batch): positional constructors, no properties, and decode-only checks kept minimal.
         for seq, n in sched.scheduled:
@@ -351,6 +377,7 @@ class EngineCore:
                 num_prompt_tokens += min(n, seq.num_prompt_tokens - start)
                 p = seq.params
                 want_prompt_lp = (p.prompt_logprobs is not None or p.return_context_logits) and seq.index == 0
+                host_logits = host_logits or want_prompt_lp
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks), want_prompt_lp))
                 m = seq.request.output.metrics
@@ -362,14 +389,23 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
-        if prev is not None:
+        if prev is not None and not self._defers:
             self.executor.set_inflight_tokens(prev.handle.tokens)
         logits, _ = self.executor.execute(plan)
         if prev is not None:
-            # The device has this step queued behind the last one: read the last one's tokens now.
+            # The device has this step queued behind the last one: read the last one's tokens now
+            # (with a deferring executor, sample them first: the workers wait for them).
             self.num_overlapped_steps += 1
             n_read, rollback = self._resolve_inflight()
             num_generated += n_read
+        defer = False
+        if self._defers:
+            # Sample this step in the next call, after its successor is planned and sent, unless
+            # its logits are needed on the host now (prompt logprobs, beams, generation logits).
+            defer = (self._overlap_ok() and not host_logits and not self._beam_requests
+                     and not self._gen_logits_requests)
+            if not defer:
+                logits = self.executor.await_logits()
         # A sampler with ``launch`` (see `_launch`) lets the output work also cover its own kernels.
         split = getattr(self.sampler, "launch", None) is not None
         if self._pending and not split:
@@ -420,7 +456,13 @@ class EngineCore:
             sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
         sampled: list[_Sampled] = []
         any_done = False
-        if sample_seqs:
+        if sample_seqs and defer:
+            # Launched by `_start_inflight` (next call, or a read before it); the rows are in flight now.
+            for i, seq in enumerate(sample_seqs):
+                seq.inflight_row = i
+            self._inflight = _InFlight(None, sample_seqs, None,
+                                       (logits, None if row == len(sample_rows) else sample_rows, rows))
+        elif sample_seqs:
             sel = logits if row == len(sample_rows) else logits[_upload_rows(sample_rows, logits.device)]
             gen = None
             if self._gen_logits_requests:
@@ -437,10 +479,16 @@ class EngineCore:
                 for i, seq in enumerate(sample_seqs):
                     seq.inflight_row = i
                 self._inflight = _InFlight(handle, sample_seqs, gen)
+                if self._defers:
+                    self.executor.publish_tokens(handle.tokens)
             else:
                 if out is None:
                     out = self._finish_sampling(handle, sel, rows, sample_seqs)
+                if self._defers:
+                    self.executor.publish_tokens(None)  # read already: the next plan has its ids
                 sampled, any_done = self._append_sampled(sample_seqs, out, gen)
+        elif self._defers:
+            self.executor.publish_tokens(None)  # nothing sampled in this step
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
         if sampled:
@@ -499,12 +547,31 @@ class EngineCore:
         prev, self._inflight = self._inflight, None
         for seq in prev.seqs:
             seq.inflight_row = -1
+        if prev.handle is None:
+            self._start_inflight(prev)
         out = prev.handle.finish()
         sampled, any_done = self._append_sampled(prev.seqs, out, prev.gen)
         if sampled:
             self._settle(sampled, any_done)
         redrawn = getattr(prev.handle, "redrawn", ())
         return len(sampled), (frozenset(prev.seqs[i] for i in redrawn) if len(redrawn) else _NO_SEQS)
+
+    def _start_inflight(self, prev: _InFlight) -> None:
+        """Launch a deferred step's sampler (``prev.launch``, a deferring executor): wait for its
+        logits (`await_logits`), launch, detach, and publish the sampled ids to the workers
+        (`publish_tokens`), which may be waiting for them to run the next step. A sampler that
+        cannot stay in flight is read here (`_Ready`)."""
+        logits, sample_rows, rows = prev.launch
+        prev.launch = None
+        logits = self.executor.await_logits()
+        sel = logits if sample_rows is None else logits[_upload_rows(sample_rows, logits.device)]
+        handle, out = self._launch(sel, rows, prev.seqs)
+        if handle is not None and self._overlap_ok(handle):
+            handle.detach()  # the copies it needs are queued before the ids are published
+        else:
+            handle = _Ready(out if out is not None else self._finish_sampling(handle, sel, rows, prev.seqs))
+        prev.handle = handle
+        self.executor.publish_tokens(handle.tokens)
 
     def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence]):
         """Start sampling ``logits`` ([S, V] float32): (handle, None), or (None, `SamplerOutput`).

@@ -239,6 +239,8 @@ class ModelRunner:
         self._staging = _Staging(self.device)
         self._inflight_staging = _Staging(self.device)  # (destination, source) rows of in-flight ids
         self._inflight_tokens: Optional[torch.Tensor] = None
+        # Tensor-parallel async steps (`parallel_worker.InputSync`): consumed by the next `execute`.
+        self.input_sync = None
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=max_batch_size + 64)
         self.num_blocks = self._num_kv_blocks()
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
@@ -435,12 +437,18 @@ class ModelRunner:
         one with ``all_logits`` contributes one row per computed token. On a decode CUDA-graph step
         the logits are a view of a static buffer, valid until the next ``execute``. Sequences with
         ``inflight_row >= 0`` read their input id from the tensor given to `set_inflight_tokens`
-        just before (without it they would compute their placeholder).
+        just before (without it they would compute their placeholder). ``input_sync`` (set by a
+        tensor-parallel worker for this call only) wraps that fix-up: it waits for the front end's
+        sampled ids and broadcasts the input ids over the tensor-parallel group
+        (`parallel_worker.InputSync`).
 
         Raises:
             ValueError: a sequence longer than ``max_seq_len`` on a decode graph step.
         """
         fix = self._inflight_fix(seqs) if self._inflight_tokens is not None else None
+        sync, self.input_sync = self.input_sync, None
+        if sync is not None:
+            fix = sync.wrap(fix)
         if self.graphs is not None and self.graphs.can_run(seqs):
             logits = self.graphs.run(seqs) if fix is None else self.graphs.run(seqs, fix_inputs=fix)
             return logits, list(range(len(seqs)))

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
@@ -40,9 +41,9 @@ from typing import Mapping, Optional
 import torch
 
 from .config import KvCacheConfig, ModelConfig
-from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_OK, MSG_READY, MSG_TIMING,
-                              PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers,
-                              step_timing_enabled, worker_main)
+from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_OK, MSG_READY,
+                              MSG_TIMING, SYNC_EVENT, SYNC_GO, PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds,
+                              spin_poll, stage_layers, step_timing_enabled, worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,12 @@ def _engine_dead_error():
     from .llm import EngineDeadError  # llm imports this module lazily; import back lazily too
 
     return EngineDeadError
+
+
+def tp_async_enabled() -> bool:
+    """``KVPILOT_TP_ASYNC`` (default 1): 0 keeps every tensor-parallel step settled (the front end
+    reads a step's tokens before it plans the next; `MultiprocExecutor.execute`)."""
+    return os.environ.get("KVPILOT_TP_ASYNC", "1") not in ("0", "false", "False", "no")
 
 
 def _env_float(name: str, default: float) -> float:
@@ -229,6 +236,7 @@ class MultiprocExecutor:
             self._out_conn = self._conns[output_rank]
         blocks = {}
         self._logits_buf: Optional[torch.Tensor] = None
+        self._tok_buf: Optional[torch.Tensor] = None  # the output rank's sampled-ids buffer (CUDA IPC)
         self._logits_event = None  # the output rank's interprocess event (LOGITS_EVENT)
         self._read_done = None  # recorded after the last clone out of the shared buffer
         self._encoder = PlanEncoder()
@@ -250,8 +258,24 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.num_blocks = min(blocks.values())
-        logger.info("%d x %d workers ready in %.1f s (%s, %d KV blocks per rank)", spec.tp_size, spec.pp_size,
-                    time.perf_counter() - t0, spec.device, self.num_blocks)
+        # Asynchronous steps (`tp_async_enabled`; `execute`'s docstring).
+        self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node
+                              and (self.logits_mode == LOGITS_EVENT and self._tok_buf is not None
+                                   or spec.device == "cpu"))
+        self._sent: deque = deque()  # steps sent, logits not awaited: [rows, logits tensor, orphan]
+        self._stash: list = []  # answers read while collecting step timing
+        self._unpublished = 0  # steps sent whose sampled ids are not published yet
+        self._go_pending = False  # the last plan sent waits for a ("go", ids) message
+        self._ready_ids: Optional[list] = None  # CPU: ids published with no plan waiting for them
+        self._tok_event = None
+        self._tok_handle = None  # sent once, with the first asynchronous plan
+        if self.defers_logits and self._tok_buf is not None:
+            with torch.cuda.device(self._tok_buf.device):
+                self._tok_event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+            self._tok_handle = self._tok_event.ipc_handle()
+        logger.info("%d x %d workers ready in %.1f s (%s, %d KV blocks per rank%s)", spec.tp_size, spec.pp_size,
+                    time.perf_counter() - t0, spec.device, self.num_blocks,
+                    ", asynchronous steps" if self.defers_logits else "")
 
     def _open_logits_buffer(self, ipc) -> None:
         try:
@@ -263,6 +287,12 @@ class MultiprocExecutor:
             self._logits_buf = None
             return
         self._read_done = torch.cuda.Event()
+        if ipc.get("tokens") is not None:
+            try:
+                rebuild, args = ipc["tokens"]
+                self._tok_buf = rebuild(*args)
+            except Exception:  # noqa: BLE001 - steps are then settled (synchronous) only
+                logger.warning("cannot open the output worker's sampled-ids buffer", exc_info=True)
         if ipc.get("event") is not None:
             try:
                 self._logits_event = torch.cuda.Event.from_ipc_handle(self._logits_buf.device, ipc["event"])
@@ -280,6 +310,18 @@ class MultiprocExecutor:
         return None if self._logits_buf is None else self._logits_buf.device
 
     @property
+    def supports_async_scheduling(self) -> bool:
+        """Whether `EngineCore` may plan a step before the previous one's tokens are read: with
+        asynchronous steps (``defers_logits``) only."""
+        return self.defers_logits
+
+    @property
+    def device(self) -> torch.device:
+        """The front end's device for this executor's logits (`EngineCore` enables async scheduling by
+        default on CUDA)."""
+        return self.output_device or torch.device("cpu")
+
+    @property
     def logits_mode(self) -> int:
         """How the output rank returns logits: `LOGITS_EVENT`, `LOGITS_SYNC` or `LOGITS_PIPE`."""
         if self._logits_buf is None:
@@ -290,6 +332,15 @@ class MultiprocExecutor:
     def execute(self, plan) -> tuple[torch.Tensor, list[int]]:
         """Send one step's plan to the workers; return the output rank's logits and rows.
 
+        With ``defers_logits`` (asynchronous steps: one pipeline stage on one node,
+        ``KVPILOT_TP_ASYNC`` not 0), this returns at once, after sending the plan: the logits
+        ``[R, vocab]`` (R from the plan) are the shared buffer's rows (on CPU, a tensor the answer is
+        read into), valid only after `await_logits`, and the rows are ``range(R)``. The caller then
+        owes, for every step in order, one `await_logits` and one `publish_tokens` (the step's
+        sampled ids, which the next plan's in-flight rows read on the device). A plan sent while an
+        earlier step is unpublished makes the output rank wait for that publication (``SYNC_GO``)
+        before its step runs, so a step planned ahead is launched while the previous one computes.
+
         The logits are float32 ``[R, vocab]``: on the output rank's GPU (a copy out of the shared
         buffer, made once the step's event is complete: the output rank answers right after
         launching, and the wait for its GPU is a host-side poll that watches the workers, see
@@ -299,7 +350,159 @@ class MultiprocExecutor:
             EngineDeadError: a worker failed, exited or timed out (now or earlier).
         """
         with self._lock:
+            if self.defers_logits:
+                return self._execute_deferred(plan)
             return self._execute(plan)
+
+    def _execute_deferred(self, plan) -> tuple[torch.Tensor, list[int]]:
+        self._check_usable()
+        if self._go_pending:  # the caller gave up a step (an engine error): release it, drop its answer
+            self.abandon_steps()
+        timer = self._timer
+        if timer is not None:
+            t0 = time.perf_counter()
+            if self._last_return is not None:
+                timer.add("host_between_steps", t0 - self._last_return)
+        n_rows = 0
+        inflight = False
+        for s in plan:
+            n_rows += len(s.token_ids) if s.all_logits else (1 if s.sample else 0)
+            inflight = inflight or s.inflight_row >= 0
+        handle = self._tok_handle
+        if self._unpublished:
+            sync = (SYNC_GO, inflight, None, handle)
+        elif inflight:
+            if self._tok_event is None and self._ready_ids is None:
+                raise RuntimeError("a plan reads in-flight ids that were never published (publish_tokens)")
+            sync = (SYNC_EVENT, True, self._ready_ids, handle)
+        else:
+            sync = None
+            if self._read_done is not None:
+                self._read_done.synchronize()  # the last sampler's reads of the shared buffer are done
+        if sync is not None:
+            self._tok_handle = None  # the output rank keeps the event it opened
+        self._ready_ids = None
+        data = pickle.dumps(("step", self._encoder.encode(plan), self.logits_mode, sync),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._plan_conns:
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
+                self._die("a worker closed its pipe")
+        self._go_pending = sync is not None and sync[0] == SYNC_GO
+        self._unpublished += 1
+        buf = self._logits_buf
+        if buf is not None and n_rows <= buf.shape[0]:
+            logits = buf[:n_rows]
+        else:
+            logits = torch.empty((n_rows, self.spec.cfg.vocab_size), dtype=torch.float32)
+        self._sent.append([n_rows, logits, False])
+        if timer is not None:
+            self._last_return = time.perf_counter()
+            timer.add("send", self._last_return - t0)
+        return logits, list(range(n_rows))
+
+    def await_logits(self) -> torch.Tensor:
+        """Wait until the oldest step not yet awaited has its logits; return them (the tensor
+        `execute` returned for it, now valid). A host-side wait that watches the workers (see
+        `_await_logits_event`).
+
+        Raises:
+            EngineDeadError: a worker failed, exited or timed out.
+            RuntimeError: no step is waiting (a caller's protocol error).
+        """
+        with self._lock:
+            self._check_usable()
+            timer = self._timer
+            t0 = time.perf_counter() if timer is not None else 0.0
+            while True:
+                if not self._sent:
+                    raise RuntimeError("await_logits without a step sent (execute) and not awaited")
+                n_rows, logits, orphan = self._sent.popleft()
+                msg, raw = self._next_answer()
+                _, shape, _rows, in_buffer = msg
+                if shape[0] != n_rows:
+                    self._die(f"the output worker answered {shape[0]} logits rows, the plan has {n_rows}")
+                if in_buffer:
+                    if not orphan:
+                        self._await_logits_event()
+                else:
+                    if raw is None:
+                        try:
+                            raw = self._out_conn.recv_bytes()
+                        except (EOFError, OSError):
+                            self._die("the output worker closed its pipe while sending logits")
+                    if raw and not orphan:
+                        logits.view(-1).numpy()[:] = memoryview(raw).cast("f")
+                if not orphan:
+                    break
+            if timer is not None:
+                t1 = self._last_return = time.perf_counter()
+                timer.add("logits", t1 - t0)
+            return logits
+
+    def publish_tokens(self, tokens: Optional[torch.Tensor]) -> None:
+        """Hand the oldest unpublished step's sampled ids to the workers: ``tokens`` int64 ``[S]``
+        (the sampler's device tensor, -1 allowed: clamped to 0 where read) or None when nothing
+        reads them. On CUDA they are copied into the output rank's buffer on the current stream,
+        behind everything queued there (the sampler, its copies out of the shared logits), and the
+        front end's interprocess event is recorded; a plan waiting for them (``SYNC_GO``) gets its
+        ("go", ...) message. Call once per step, after `await_logits`, in step order.
+
+        Raises:
+            EngineDeadError: a worker failed (its pipe is closed).
+        """
+        with self._lock:
+            self._check_usable()
+            if self._unpublished <= 0:
+                raise RuntimeError("publish_tokens without an unpublished step")
+            self._unpublished -= 1
+            ids = None
+            if self._tok_buf is not None:
+                if tokens is not None and tokens.numel():
+                    n = tokens.shape[0]
+                    self._tok_buf[:n].copy_(tokens.to(self._tok_buf.device, non_blocking=True), non_blocking=True)
+                self._tok_event.record()
+                self._read_done.record()
+            else:
+                ids = tokens.tolist() if tokens is not None else []
+            if self._go_pending and self._unpublished == 1:
+                self._send_go(ids)
+            else:
+                self._ready_ids = ids
+
+    def _send_go(self, ids: Optional[list]) -> None:
+        self._go_pending = False
+        try:
+            self._out_conn.send_bytes(pickle.dumps((MSG_GO, ids), protocol=pickle.HIGHEST_PROTOCOL))
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            self._wait_for([self._out_conn], 5.0)
+            self._die("the output worker closed its pipe")
+
+    def abandon_steps(self) -> None:
+        """Forget every step sent and not yet awaited or published (after an engine error dropped
+        them): a plan still waiting for its ids is released with stale ones (its results are then
+        read and discarded, like the others' answers)."""
+        if self._go_pending:
+            if self._tok_event is not None:
+                self._tok_event.record()
+            self._send_go(None if self._tok_buf is not None else [])
+        for entry in self._sent:
+            entry[2] = True
+        self._unpublished = 0
+        self._ready_ids = None
+
+    def _next_answer(self) -> tuple:
+        """(the output rank's next step answer, its logits bytes if `step_timing` read them, else
+        None); answers `step_timing` read first come first."""
+        if self._stash:
+            return self._stash.pop(0)
+        spin_poll(self._out_conn, self._spin)
+        _, msg = self._wait_for([self._out_conn], self._step_timeout)
+        if msg[0] != MSG_OK:
+            self._die(f"unexpected message from the output worker: {msg[0]!r}")
+        return msg, None
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -319,7 +522,7 @@ class MultiprocExecutor:
             # (normally long since: the sampler read its result).
             self._read_done.synchronize()
         mode = self.logits_mode
-        data = pickle.dumps(("step", self._encoder.encode(plan), mode), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("step", self._encoder.encode(plan), mode, None), protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self._plan_conns:
             try:
                 conn.send_bytes(data)
@@ -429,6 +632,17 @@ class MultiprocExecutor:
         waiting = list(self._plan_conns)
         while waiting:
             conn, msg = self._wait_for(waiting, self._step_timeout)
+            if msg[0] == MSG_OK and conn is self._out_conn and self._sent and len(self._stash) < len(self._sent):
+                # A step answer ahead of the timing (asynchronous steps): kept, with the logits
+                # bytes that follow it on the pipe, for `await_logits`.
+                raw = None
+                if not msg[3]:
+                    try:
+                        raw = self._out_conn.recv_bytes()
+                    except (EOFError, OSError):
+                        self._die("the output worker closed its pipe while sending logits")
+                self._stash.append((msg, raw))
+                continue
             if msg[0] != MSG_TIMING:
                 self._die(f"unexpected message {msg[0]!r} while collecting step timing")
             ranks[msg[1]] = msg[2]
@@ -514,6 +728,11 @@ class MultiprocExecutor:
         self._closed = True
         if getattr(self, "_timer", None) is not None and self._timer.samples:
             logger.info("front-end step timing: %s", self._timer.summary())
+        if getattr(self, "_go_pending", False) and self._dead is None:
+            try:
+                self.abandon_steps()  # the output rank waits for ids: release it, then stop
+            except Exception:  # noqa: BLE001 - stopping anyway; terminated below if it does not
+                pass
         stop = pickle.dumps(None)
         for conn in getattr(self, "_plan_conns", self._conns):
             try:

@@ -69,6 +69,16 @@ LOGITS_PIPE = 0  # raw float32 bytes on the pipe
 LOGITS_SYNC = 1  # the shared CUDA buffer, answered after the worker's stream finished
 LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end waits on an IPC event
 
+# Asynchronous tensor-parallel steps (`MultiprocExecutor.defers_logits`): a "step" message's fourth
+# field is None (a settled plan) or (kind, broadcast, ids, event handle), see `InputSync`.
+MSG_GO = "go"
+SYNC_EVENT = 1  # the sampled ids are published: the output rank's stream waits on the front end's event
+SYNC_GO = 2  # the output rank first waits for ("go", ids or None): the ids are published after this plan
+
+
+class StopRequested(Exception):
+    """The front end stopped the engine while the output rank waited for a step's sampled ids."""
+
 
 def _env_flag(name: str, default: str = "1") -> bool:
     return os.environ.get(name, default) not in ("0", "", "false", "False", "no")
@@ -121,6 +131,16 @@ def pipe_spin_seconds(device: str) -> float:
     """
     raw = os.environ.get("KVPILOT_PIPE_SPIN_US")
     us = float(raw) if raw else (1000.0 if device.startswith("cuda") else 0.0)
+    return max(us, 0.0) * 1e-6
+
+
+def go_spin_seconds(device: str) -> float:
+    """``KVPILOT_GO_SPIN_US``: how long the output rank polls for a step's sampled ids (`InputSync`)
+    before it sleeps. Default 50,000 us on GPUs: the ids come one forward pass after the plan (a few
+    milliseconds), and waking a sleeping process would add tens of microseconds to every step; 0 on
+    CPU."""
+    raw = os.environ.get("KVPILOT_GO_SPIN_US")
+    us = float(raw) if raw else (50_000.0 if device.startswith("cuda") else 0.0)
     return max(us, 0.0) * 1e-6
 
 
@@ -179,7 +199,8 @@ class PlanEncoder:
         self._sent: dict[int, tuple[list, int]] = {}
 
     def encode(self, plan: list[ScheduledSeq]) -> list[tuple]:
-        """``plan`` -> list of ``(seq_id, token_ids, start_pos, mode, blocks, sample, all_logits)``."""
+        """``plan`` -> list of ``(seq_id, token_ids, start_pos, mode, blocks, sample, all_logits,
+        inflight_row)``."""
         sent = self._sent
         out, now = [], {}
         for s in plan:
@@ -187,9 +208,11 @@ class PlanEncoder:
             m = len(bt)
             prev = sent.get(s.seq_id)
             if prev is not None and prev[0] is bt and m >= prev[1] and s.seq_id not in now:
-                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_APPEND, bt[prev[1]:], s.sample, s.all_logits))
+                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_APPEND, bt[prev[1]:], s.sample, s.all_logits,
+                            s.inflight_row))
             else:
-                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_FULL, bt, s.sample, s.all_logits))
+                out.append((s.seq_id, s.token_ids, s.start_pos, _BT_FULL, bt, s.sample, s.all_logits,
+                            s.inflight_row))
             now[s.seq_id] = (bt, m)
         self._sent = now
         return out
@@ -208,7 +231,7 @@ class PlanDecoder:
     def decode(self, encoded: list[tuple]) -> list[ScheduledSeq]:
         tables = self._tables
         plan, now = [], {}
-        for seq_id, toks, start, mode, blocks, sample, all_logits in encoded:
+        for seq_id, toks, start, mode, blocks, sample, all_logits, inflight_row in encoded:
             if mode == _BT_APPEND:
                 bt = tables[seq_id]
                 if blocks:
@@ -216,7 +239,7 @@ class PlanDecoder:
             else:
                 bt = list(blocks)
             now[seq_id] = bt
-            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits))
+            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row))
         self._tables = now
         return plan
 
@@ -333,6 +356,57 @@ class StageRunner(ModelRunner):
         return super()._forward(ids, pos, meta, caches, hidden, residual)
 
 
+class InputSync:
+    """The input-id hand-over of one asynchronous tensor-parallel step (one pipeline stage).
+
+    The front end plans step N+1 before it has sampled step N (`engine_core`'s async scheduling), so
+    the plan's in-flight rows carry placeholders. The output rank (tensor-parallel rank 0, on the
+    front end's GPU) owns ``tok_buf``, an int64 buffer the front end writes the sampled ids into
+    (CUDA IPC) before recording its interprocess event; on CPU the ids come as a list in a message.
+    `wrap` turns the runner's in-flight fix-up (`ModelRunner._inflight_fix`, reading ``tok_buf``)
+    into: wait for the ids (``SYNC_GO``: the ("go", ids) message, read from the pipe, answering
+    step-timing requests meanwhile; then, on CUDA, the stream waits on the front end's event, as with
+    ``SYNC_EVENT``), fix the ids, and, with ``broadcast``, send the input ids from rank 0 to every
+    rank of the group (the others receive them into their own input ids). Waiting for the event also
+    orders this step's logits write after the front end's sampler has read the previous ones out of
+    the shared logits buffer.
+    """
+
+    def __init__(self, worker: "Worker", kind: int, broadcast: bool, ids: Optional[list[int]], conn) -> None:
+        self.worker = worker
+        self.kind = kind
+        self.broadcast = broadcast
+        self.ids = ids
+        self.conn = conn
+
+    def wrap(self, fix):
+        """The ``fix_inputs(ids)`` callable for this step (``fix``: the runner's, or None)."""
+        worker = self.worker
+
+        def run(ids: torch.Tensor) -> None:
+            if worker.is_output:
+                self._await_ids()
+            if fix is not None:
+                fix(ids)
+            if self.broadcast:
+                group = worker.runner.model.pc.tp_group
+                dist.broadcast(ids, src=worker.pp_rank * worker.spec.tp_size, group=group)
+        return run
+
+    def _await_ids(self) -> None:
+        worker = self.worker
+        ids = self.ids
+        if self.kind == SYNC_GO:
+            ids = worker.wait_go(self.conn)
+        if ids is not None:
+            if ids:
+                worker.tok_buf[:len(ids)].copy_(torch.tensor(ids, dtype=torch.int64))
+        elif worker.tok_event is not None:
+            torch.cuda.current_stream().wait_event(worker.tok_event)
+        else:
+            raise RuntimeError("an asynchronous step's sampled ids came without ids or an event")
+
+
 class Worker:
     """One rank: process groups, its `StageRunner`, and the per-step stage computation."""
 
@@ -398,8 +472,53 @@ class Worker:
                 except Exception:  # noqa: BLE001 - the synchronizing path still works
                     logger.warning("cannot create an interprocess CUDA event; answering after a sync",
                                    exc_info=True)
+        # Asynchronous tensor-parallel steps (`InputSync`): the output rank of a one-stage layout
+        # on one node holds the buffer the front end writes sampled ids into.
+        self.tok_buf = None
+        self.tok_event = None
+        if self.is_output and spec.pp_size == 1 and not spec.multi_node:
+            self.tok_buf = torch.zeros(spec.max_batch_size, dtype=torch.int64, device=self.device)
+        self.stop_requested = False
         logger.info("rank %d (pp %d, tp %d): layers %s, %d KV blocks", rank, self.pp_rank, self.tp_rank,
                     layer_range, self.num_blocks)
+
+    def set_input_sync(self, sync: tuple, conn) -> None:
+        """Arm the next `execute` with a step's input-id hand-over (`InputSync`): ``sync`` is the
+        "step" message's fourth field, (kind, broadcast, ids or None, event IPC handle or None)."""
+        kind, broadcast, ids, handle = sync
+        if self.is_output:
+            if self.tok_buf is None:
+                raise RuntimeError("an asynchronous step reached a rank without a sampled-ids buffer")
+            if handle is not None and self.tok_event is None:
+                self.tok_event = torch.cuda.Event.from_ipc_handle(self.tok_buf.device, handle)
+            self.runner.set_inflight_tokens(self.tok_buf)
+        self.runner.input_sync = InputSync(self, kind, broadcast, ids, conn)
+
+    def wait_go(self, conn) -> Optional[list[int]]:
+        """Read the pipe until the front end's ("go", ids) message and return ids (None: they are in
+        ``tok_buf`` behind the front end's event). Step-timing requests met on the way are answered.
+
+        Raises:
+            StopRequested: the front end sent the stop message or closed the pipe.
+            RuntimeError: any other message (a protocol error).
+        """
+        spin = go_spin_seconds(self.spec.device)
+        while True:
+            try:
+                if not spin_poll(conn, spin):
+                    conn.poll(None)
+                msg = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                msg = None
+            if msg is None:
+                self.stop_requested = True
+                raise StopRequested()
+            if msg[0] == MSG_TIMING:
+                _answer_timing(self, conn, msg[1])
+                continue
+            if msg[0] != MSG_GO:
+                raise RuntimeError(f"rank {self.rank} expected the step's sampled ids, got {msg[0]!r}")
+            return msg[1]
 
     @property
     def ctrl(self):
@@ -532,7 +651,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             if worker.logits_buf is not None:
                 from torch.multiprocessing.reductions import reduce_tensor
 
-                ipc = {"logits": reduce_tensor(worker.logits_buf), "event": None}
+                ipc = {"logits": reduce_tensor(worker.logits_buf), "event": None,
+                       "tokens": reduce_tensor(worker.tok_buf) if worker.tok_buf is not None else None}
                 if worker.logits_event is not None:
                     try:
                         ipc["event"] = worker.logits_event.ipc_handle()
@@ -541,6 +661,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                         worker.logits_event = None
             conn.send((MSG_READY, worker.num_blocks, ipc))
         _serve(worker, conn)
+    except StopRequested:
+        pass  # stopped while waiting for a step's sampled ids: a normal stop
     except BaseException as e:  # noqa: BLE001 - report anything, including KeyboardInterrupt, then exit
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         logger.error("rank %d failed: %s", rank, text)
@@ -558,6 +680,19 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - shutting down anyway
             pass
+
+
+def _answer_timing(worker: Worker, conn, reset: bool) -> None:
+    """Answer a ("timing", reset) request with this rank's `StepTimer` summary."""
+    timer = worker.timer
+    summary = timer.summary() if timer is not None else {}
+    if timer is not None and reset:
+        timer.reset()
+    # Only ranks the front end sends plans to answer: in a multi-node group the leader pod's other
+    # ranks have pipes too, but the front end reads only rank 0's (an extra answer would be read as
+    # an unexpected message at the next step, killing the engine).
+    if conn is not None and (worker.rank == 0 or not worker.spec.multi_node):
+        conn.send((MSG_TIMING, worker.rank, summary))
 
 
 def _serve(worker: Worker, conn) -> None:
@@ -601,21 +736,16 @@ def _serve(worker: Worker, conn) -> None:
                 logger.info("rank %d step timing: %s", rank, timer.summary())
             return
         if msg[0] == MSG_TIMING:
-            summary = timer.summary() if timer is not None else {}
-            if timer is not None and msg[1]:
-                timer.reset()
-            # Only ranks the front end sends plans to answer: in a multi-node group the leader pod's
-            # other ranks have pipes too, but the front end reads only rank 0's (an extra answer
-            # would be read as an unexpected message at the next step, killing the engine).
-            if conn is not None and (rank == 0 or not spec.multi_node):
-                conn.send((MSG_TIMING, rank, summary))
+            _answer_timing(worker, conn, msg[1])
             continue
-        _kind, encoded, logits_mode = msg
+        _kind, encoded, logits_mode, sync = msg
         plan = decoder.decode(encoded)
         if timer is not None:
             t_plan = clock()
             timer.add("idle", t_recv - t_idle)
             timer.add("recv", t_plan - t_recv)
+        if sync is not None:
+            worker.set_input_sync(sync, conn)
         result = worker.execute(plan)
         if timer is not None:
             t_launch = clock()

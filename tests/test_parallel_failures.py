@@ -27,13 +27,20 @@ def test_worker_exception_raises_engine_dead_with_its_traceback(stories_model_di
         # A block id far outside the pool makes rank 0's KV write fail while rank 1 waits in a collective.
         bad = [ScheduledSeq(seq_id=0, token_ids=[1], start_pos=0, block_table=[10 ** 9], sample=True)]
         t0 = time.monotonic()
+        ex = llm._executor
+
+        def step(plan):  # an asynchronous executor reports the step's failure when its logits are awaited
+            ex.execute(plan)
+            if ex.defers_logits:
+                ex.await_logits()
+
         with pytest.raises(EngineDeadError, match=r"(?s)worker rank \d failed:.*Traceback") as info:
-            llm._executor.execute(bad)
+            step(bad)
         assert time.monotonic() - t0 < 30
         assert "tensor/pipeline-parallel engine stopped" in str(info.value)
         assert all(not p.is_alive() for p in llm._executor._procs)
         with pytest.raises(EngineDeadError, match="worker rank"):
-            llm._executor.execute(bad)
+            step(bad)
         llm._loop._thread.join(timeout=10)  # the executor stopped the engine loop
         with pytest.raises(EngineDeadError, match="worker rank"):
             llm.generate("Once", GREEDY)

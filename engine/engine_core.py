@@ -125,6 +125,9 @@ class _InFlight:
     # An executor with ``defers_logits``: (logits, their rows to sample or None for all, sampling
     # rows) while the sampler is not launched yet (``handle`` is None until `_start_inflight`).
     launch: Optional[tuple] = None
+    # The executor was asked for the step's arg-max ids on the worker (``greedy_hint``): every
+    # sampled row is plain greedy (`_plain_greedy`).
+    argmax: bool = False
 
 
 class _Ready:
@@ -210,6 +213,7 @@ class EngineCore:
         self._itl: list[float] = []
         self._beam_requests: set[int] = set()  # ids of live use_beam_search requests
         self._gen_logits_requests: set[int] = set()  # ids of live return_generation_logits requests
+        self._not_plain_greedy: set[int] = set()  # ids of live requests `_plain_greedy` says no to
         self._cuda = torch.cuda.is_available()  # asked once: the query costs microseconds per step
 
     def flush_outputs(self) -> None:
@@ -231,6 +235,8 @@ class EngineCore:
             self._beam_requests.add(req.request_id)
         if p.return_generation_logits:
             self._gen_logits_requests.add(req.request_id)
+        if not _plain_greedy(p):
+            self._not_plain_greedy.add(req.request_id)
         limit = min(req.num_prompt_tokens + p.max_tokens, self.max_seq_len)
         for seq in req.seqs:
             init_offsets(seq)
@@ -311,6 +317,7 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self._beam_requests.discard(req.request_id)
         self._gen_logits_requests.discard(req.request_id)
+        self._not_plain_greedy.discard(req.request_id)
         now = time.monotonic()
         m = req.output.metrics
         reasons = {s.finish_reason for s in req.seqs}
@@ -389,8 +396,15 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
+        argmax = False
         if prev is not None and not self._defers:
             self.executor.set_inflight_tokens(prev.handle.tokens)
+        elif self._defers:
+            # Plain greedy rows only: the output rank writes the step's arg-max ids itself, and the
+            # next step may read them there at once (the front end's sampler gives the same ids).
+            argmax = not self._not_plain_greedy
+            self.executor.greedy_hint = (argmax, prev is not None and prev.handle is None and prev.argmax
+                                         and prev.launch[1] is None)
         logits, _ = self.executor.execute(plan)
         if prev is not None:
             # The device has this step queued behind the last one: read the last one's tokens now
@@ -461,7 +475,7 @@ class EngineCore:
             for i, seq in enumerate(sample_seqs):
                 seq.inflight_row = i
             self._inflight = _InFlight(None, sample_seqs, None,
-                                       (logits, None if row == len(sample_rows) else sample_rows, rows))
+                                       (logits, None if row == len(sample_rows) else sample_rows, rows), argmax)
         elif sample_seqs:
             sel = logits if row == len(sample_rows) else logits[_upload_rows(sample_rows, logits.device)]
             gen = None
@@ -865,6 +879,14 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+
+
+def _plain_greedy(p) -> bool:
+    """Whether the sampler's token for ``p`` is the arg-max of the raw logits: greedy, with nothing
+    that changes the logits first (penalties, biases, bans, ``min_tokens``) and no beams."""
+    return (p.greedy and not p.use_beam_search and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
+            and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens)
 
 
 def _upload_rows(rows: list[int], dev: torch.device) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch
 
 from .config import KvCacheConfig, ModelConfig
 from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_OK, MSG_READY,
-                              MSG_TIMING, SYNC_EVENT, SYNC_GO, PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds,
+                              MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds,
                               spin_poll, stage_layers, step_timing_enabled, worker_main)
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class MultiprocExecutor:
         blocks = {}
         self._logits_buf: Optional[torch.Tensor] = None
         self._tok_buf: Optional[torch.Tensor] = None  # the output rank's sampled-ids buffer (CUDA IPC)
-        self._logits_event = None  # the output rank's interprocess event (LOGITS_EVENT)
+        self._logits_events: list = []  # the output rank's interprocess events, one per slot (LOGITS_EVENT)
         self._read_done = None  # recorded after the last clone out of the shared buffer
         self._encoder = PlanEncoder()
         self._timer = StepTimer() if step_timing_enabled() else None
@@ -264,7 +264,12 @@ class MultiprocExecutor:
                                    or spec.device == "cpu"))
         self._sent: deque = deque()  # steps sent, logits not awaited: [rows, logits tensor, orphan]
         self._stash: list = []  # answers read while collecting step timing
-        self._unpublished = 0  # steps sent whose sampled ids are not published yet
+        self._unpub: deque = deque()  # steps sent, ids not published: {"argmax", "self_read"}
+        self._slot = 0  # the logits slot of the next asynchronous step (they alternate)
+        # Set by the engine before each `execute`: (the output rank writes the step's arg-max ids into
+        # its ids buffer, the step's in-flight ids are the previous step's arg-max); see `execute`.
+        self.greedy_hint = (False, False)
+        self.num_self_steps = 0  # steps whose in-flight ids were the output rank's own arg-max
         self._go_pending = False  # the last plan sent waits for a ("go", ids) message
         self._ready_ids: Optional[list] = None  # CPU: ids published with no plan waiting for them
         self._tok_event = None
@@ -295,11 +300,12 @@ class MultiprocExecutor:
                 logger.warning("cannot open the output worker's sampled-ids buffer", exc_info=True)
         if ipc.get("event") is not None:
             try:
-                self._logits_event = torch.cuda.Event.from_ipc_handle(self._logits_buf.device, ipc["event"])
+                self._logits_events = [torch.cuda.Event.from_ipc_handle(self._logits_buf.device, h)
+                                       for h in ipc["event"]]
             except Exception:  # noqa: BLE001 - the worker then synchronizes before answering
                 logger.warning("cannot open the output worker's logits event; it will synchronize instead",
                                exc_info=True)
-                self._logits_event = None
+                self._logits_events = []
 
     @property
     def output_device(self) -> Optional[torch.device]:
@@ -326,7 +332,7 @@ class MultiprocExecutor:
         """How the output rank returns logits: `LOGITS_EVENT`, `LOGITS_SYNC` or `LOGITS_PIPE`."""
         if self._logits_buf is None:
             return LOGITS_PIPE
-        return LOGITS_EVENT if self._logits_event is not None else LOGITS_SYNC
+        return LOGITS_EVENT if self._logits_events else LOGITS_SYNC
 
     # ---- per step ------------------------------------------------------------------------------
     def execute(self, plan) -> tuple[torch.Tensor, list[int]]:
@@ -369,7 +375,13 @@ class MultiprocExecutor:
             n_rows += len(s.token_ids) if s.all_logits else (1 if s.sample else 0)
             inflight = inflight or s.inflight_row >= 0
         handle = self._tok_handle
-        if self._unpublished:
+        argmax, from_argmax = self.greedy_hint
+        self.greedy_hint = (False, False)
+        if inflight and from_argmax and len(self._unpub) == 1 and self._unpub[0]["argmax"]:
+            sync = (SYNC_SELF, True, None, handle)
+            self._unpub[0]["self_read"] = True  # its publication must leave the ids buffer alone
+            self.num_self_steps += 1
+        elif self._unpub:
             sync = (SYNC_GO, inflight, None, handle)
         elif inflight:
             if self._tok_event is None and self._ready_ids is None:
@@ -382,7 +394,8 @@ class MultiprocExecutor:
         if sync is not None:
             self._tok_handle = None  # the output rank keeps the event it opened
         self._ready_ids = None
-        data = pickle.dumps(("step", self._encoder.encode(plan), self.logits_mode, sync),
+        slot, self._slot = self._slot, self._slot ^ 1
+        data = pickle.dumps(("step", self._encoder.encode(plan), self.logits_mode, sync, (slot, argmax)),
                             protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self._plan_conns:
             try:
@@ -391,13 +404,13 @@ class MultiprocExecutor:
                 self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
                 self._die("a worker closed its pipe")
         self._go_pending = sync is not None and sync[0] == SYNC_GO
-        self._unpublished += 1
+        self._unpub.append({"argmax": argmax, "self_read": False})
         buf = self._logits_buf
-        if buf is not None and n_rows <= buf.shape[0]:
-            logits = buf[:n_rows]
+        if buf is not None and n_rows <= buf.shape[1]:
+            logits = buf[slot, :n_rows]
         else:
             logits = torch.empty((n_rows, self.spec.cfg.vocab_size), dtype=torch.float32)
-        self._sent.append([n_rows, logits, False])
+        self._sent.append([n_rows, logits, False, slot])
         if timer is not None:
             self._last_return = time.perf_counter()
             timer.add("send", self._last_return - t0)
@@ -419,14 +432,14 @@ class MultiprocExecutor:
             while True:
                 if not self._sent:
                     raise RuntimeError("await_logits without a step sent (execute) and not awaited")
-                n_rows, logits, orphan = self._sent.popleft()
+                n_rows, logits, orphan, slot = self._sent.popleft()
                 msg, raw = self._next_answer()
                 _, shape, _rows, in_buffer = msg
                 if shape[0] != n_rows:
                     self._die(f"the output worker answered {shape[0]} logits rows, the plan has {n_rows}")
                 if in_buffer:
                     if not orphan:
-                        self._await_logits_event()
+                        self._await_logits_event(slot)
                 else:
                     if raw is None:
                         try:
@@ -455,9 +468,11 @@ class MultiprocExecutor:
         """
         with self._lock:
             self._check_usable()
-            if self._unpublished <= 0:
+            if not self._unpub:
                 raise RuntimeError("publish_tokens without an unpublished step")
-            self._unpublished -= 1
+            step = self._unpub.popleft()
+            if step["self_read"]:
+                tokens = None  # the next step read the output rank's own arg-max ids (SYNC_SELF)
             ids = None
             if self._tok_buf is not None:
                 if tokens is not None and tokens.numel():
@@ -467,7 +482,7 @@ class MultiprocExecutor:
                 self._read_done.record()
             else:
                 ids = tokens.tolist() if tokens is not None else []
-            if self._go_pending and self._unpublished == 1:
+            if self._go_pending and len(self._unpub) == 1:
                 self._send_go(ids)
             else:
                 self._ready_ids = ids
@@ -490,7 +505,7 @@ class MultiprocExecutor:
             self._send_go(None if self._tok_buf is not None else [])
         for entry in self._sent:
             entry[2] = True
-        self._unpublished = 0
+        self._unpub.clear()
         self._ready_ids = None
 
     def _next_answer(self) -> tuple:
@@ -503,6 +518,11 @@ class MultiprocExecutor:
         if msg[0] != MSG_OK:
             self._die(f"unexpected message from the output worker: {msg[0]!r}")
         return msg, None
+
+    @property
+    def _unpublished(self) -> int:
+        """Steps sent whose sampled ids are not published yet."""
+        return len(self._unpub)
 
     def _check_usable(self) -> None:
         if self._dead is not None:
@@ -522,7 +542,8 @@ class MultiprocExecutor:
             # (normally long since: the sampler read its result).
             self._read_done.synchronize()
         mode = self.logits_mode
-        data = pickle.dumps(("step", self._encoder.encode(plan), mode, None), protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(("step", self._encoder.encode(plan), mode, None, (0, False)),
+                            protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self._plan_conns:
             try:
                 conn.send_bytes(data)
@@ -541,10 +562,10 @@ class MultiprocExecutor:
             timer.add("wait_answer", t2 - t1)
         _, shape, rows, in_buffer = msg
         if in_buffer:
-            buf = self._logits_buf
+            buf = self._logits_buf[0]
             if mode == LOGITS_EVENT:
-                self._await_logits_event()
-                self._logits_event.wait(torch.cuda.current_stream(buf.device))  # done already: ordering only
+                self._await_logits_event(0)
+                self._logits_events[0].wait(torch.cuda.current_stream(buf.device))  # done already: ordering only
             logits = buf[:shape[0]].clone()
             self._read_done.record(torch.cuda.current_stream(buf.device))
         else:
@@ -562,8 +583,9 @@ class MultiprocExecutor:
             timer.add("execute", t3 - t0)
         return logits, rows
 
-    def _await_logits_event(self) -> None:
-        """Wait on the host until the output rank's step is done, watching the workers meanwhile.
+    def _await_logits_event(self, slot: int) -> None:
+        """Wait on the host until the output rank's step (its logits in ``slot``) is done, watching
+        the workers meanwhile.
 
         The step's GPU work is never made to wait on the output rank's event device-side before the
         event is known complete: if a peer rank died mid-step (its NCCL collective then never ends),
@@ -575,7 +597,7 @@ class MultiprocExecutor:
         Raises:
             EngineDeadError: a worker exited or reported an error, or the step timed out.
         """
-        event = self._logits_event
+        event = self._logits_events[slot]
         if event.query():
             return
         deadline = time.monotonic() + self._step_timeout

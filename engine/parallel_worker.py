@@ -74,6 +74,7 @@ LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end
 MSG_GO = "go"
 SYNC_EVENT = 1  # the sampled ids are published: the output rank's stream waits on the front end's event
 SYNC_GO = 2  # the output rank first waits for ("go", ids or None): the ids are published after this plan
+SYNC_SELF = 3  # the ids are the output rank's own arg-max of the previous step (all its rows greedy)
 
 
 class StopRequested(Exception):
@@ -396,6 +397,8 @@ class InputSync:
     def _await_ids(self) -> None:
         worker = self.worker
         ids = self.ids
+        if self.kind == SYNC_SELF:
+            return  # ``tok_buf`` holds them, written on this stream after the previous step
         if self.kind == SYNC_GO:
             ids = worker.wait_go(self.conn)
         if ids is not None:
@@ -459,16 +462,19 @@ class Worker:
         self.is_output = self.is_last and self.tp_rank == 0
         # On one GPU node the output rank shares a logits buffer with the front end (CUDA IPC), so
         # a step's [rows, vocab] float32 logits never cross a pipe or the host.
+        # Two slots (``[2, max_batch_size, vocab]``), each with its event: asynchronous steps alternate
+        # them, so a step's logits never overwrite those the front end may still be sampling.
         self.logits_buf = None
-        self.logits_event = None
+        self.logits_events: list = []
         if on_gpu and self.is_output and not spec.multi_node and os.environ.get("KVPILOT_LOGITS_IPC", "1") != "0":
-            self.logits_buf = torch.empty((spec.max_batch_size, spec.cfg.vocab_size), dtype=torch.float32,
+            self.logits_buf = torch.empty((2, spec.max_batch_size, spec.cfg.vocab_size), dtype=torch.float32,
                                           device=self.device)
-            # Answer right after launching the step: the front end's stream waits on this event
-            # (recorded after the logits are in the buffer) instead of this process synchronizing.
+            # Answer right after launching the step: the front end polls this event (recorded after
+            # the logits are in the buffer) instead of this process synchronizing.
             if _env_flag("KVPILOT_LOGITS_EVENT"):
                 try:
-                    self.logits_event = torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                    self.logits_events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
+                                          for _ in range(2)]
                 except Exception:  # noqa: BLE001 - the synchronizing path still works
                     logger.warning("cannot create an interprocess CUDA event; answering after a sync",
                                    exc_info=True)
@@ -653,12 +659,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
                 ipc = {"logits": reduce_tensor(worker.logits_buf), "event": None,
                        "tokens": reduce_tensor(worker.tok_buf) if worker.tok_buf is not None else None}
-                if worker.logits_event is not None:
+                if worker.logits_events:
                     try:
-                        ipc["event"] = worker.logits_event.ipc_handle()
+                        ipc["event"] = [e.ipc_handle() for e in worker.logits_events]
                     except Exception:  # noqa: BLE001 - answer after a sync instead
                         logger.warning("cannot share the logits event; answering after a sync", exc_info=True)
-                        worker.logits_event = None
+                        worker.logits_events = []
             conn.send((MSG_READY, worker.num_blocks, ipc))
         _serve(worker, conn)
     except StopRequested:
@@ -738,7 +744,7 @@ def _serve(worker: Worker, conn) -> None:
         if msg[0] == MSG_TIMING:
             _answer_timing(worker, conn, msg[1])
             continue
-        _kind, encoded, logits_mode, sync = msg
+        _kind, encoded, logits_mode, sync, (slot, argmax) = msg
         plan = decoder.decode(encoded)
         if timer is not None:
             t_plan = clock()
@@ -751,18 +757,29 @@ def _serve(worker: Worker, conn) -> None:
             t_launch = clock()
             timer.add("prepare_launch", t_launch - t_plan)
         pending = None
+        # Measuring GPU completion synchronizes this rank: only for settled steps, where the front
+        # end waits for the step anyway (with asynchronous ones it would stop this rank preparing
+        # the next step while the device computes).
+        gpu_timing = timer is not None and on_gpu and sync is None
         if not spec.multi_node or output_rank == 0:
             if worker.is_output:
-                buf = worker.logits_buf if logits_mode != LOGITS_PIPE else None
-                event = worker.logits_event if logits_mode == LOGITS_EVENT else None
+                if argmax and worker.tok_buf is not None and result[0].shape[0]:
+                    # The next step reads these ids on this stream (``SYNC_SELF``): all its rows are greedy.
+                    logits = result[0]
+                    torch.argmax(logits, dim=-1, out=worker.tok_buf[:logits.shape[0]])
+                buf = worker.logits_buf[slot] if worker.logits_buf is not None and logits_mode != LOGITS_PIPE else None
+                event = worker.logits_events[slot] if logits_mode == LOGITS_EVENT else None
+                if sync is not None and buf is not None and worker.tok_event is not None:
+                    # The front end's last published sampler has read this slot's previous logits.
+                    torch.cuda.current_stream().wait_event(worker.tok_event)
                 pending = _send_logits(conn, *result, buf, event)
                 if timer is not None:
                     t_sent = clock()
                     timer.add("answer", t_sent - t_launch)
-                    if pending is not None:
+                    if pending is not None and gpu_timing:
                         pending.synchronize()  # timing only: after the answer, so it delays nothing
                         timer.add("gpu_done_after_answer", clock() - t_sent)
-            elif timer is not None and on_gpu:
+            elif gpu_timing:
                 torch.cuda.current_stream().synchronize()  # timing only
                 timer.add("gpu_done", clock() - t_launch)
             continue

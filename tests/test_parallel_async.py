@@ -36,6 +36,12 @@ class _Calls:
     def __getattr__(self, name):
         return getattr(self.executor, name)
 
+    def __setattr__(self, name, value):
+        if name == "greedy_hint":  # the engine's per-step hint goes to the executor
+            setattr(self.executor, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def execute(self, plan):
         self.calls.append("x" + ("i" if any(p.inflight_row >= 0 for p in plan) else ""))
         return self.executor.execute(plan)
@@ -115,8 +121,11 @@ def test_async_tp2_matches_one_process(tp_llm, stories_model_dir, monkeypatch):
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
     greedy = [(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), False)
               for p in ("Once upon a time", "The little dog", "", "Tom and Sue")]
+    self_steps = tp_llm._executor.num_self_steps
     asyn, calls = _run(tp_llm, greedy, True)
     assert calls.planned_ahead() > 30
+    # Plain greedy rows: the output rank's own arg-max fed most steps (no wait for the front end).
+    assert tp_llm._executor.num_self_steps - self_steps > 30
     with LLM(str(stories_model_dir), device="cpu", max_batch_size=6, max_num_tokens=64,
              kv_cache_config=KvCacheConfig(tokens_per_block=16)) as one:
         ref = [o.outputs[0].token_ids for o in one.generate([p for p, _, _ in greedy], greedy[0][1])]
@@ -133,10 +142,11 @@ def test_redrawn_rows_are_rolled_back_on_tp2(tp_llm, monkeypatch):
     _assert_same(_FILTERED, sync, asyn)
 
 
-def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeypatch):
+@pytest.mark.parametrize("greedy", [False, True], ids=["go", "self"])
+def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeypatch, greedy):
     core = tp_llm._core
     core.async_scheduling = True
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    sp = SamplingParams(temperature=0 if greedy else 0.8, seed=3, max_tokens=30, ignore_eos=True)
     req = tp_llm._make_request("Once upon a time", sp, False)
     core.add_request(req)
     for _ in range(4):
@@ -148,7 +158,8 @@ def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeyp
     monkeypatch.setattr(core, "_resolve_inflight", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         core.step()  # the next plan was sent (it waits for ids); then the read failed
-    assert ex._go_pending and ex._unpublished == 2
+    # Sampled rows: the output rank waits for the front end's ids; greedy ones: it has its own.
+    assert ex._go_pending != greedy and ex._unpublished == 2
     monkeypatch.setattr(core, "_resolve_inflight", real)
     core.fail_all(RuntimeError("boom"))
     core.flush_outputs()

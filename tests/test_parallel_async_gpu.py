@@ -2,7 +2,8 @@
 
 TP 2 with asynchronous steps (the default on CUDA) against the same layout with settled steps
 (``KVPILOT_TP_ASYNC=0``): a request alone in the engine gets exactly the same tokens and logprobs
-(the same graphs at the same shapes), steps really overlapped, and a batch of seeded, filtered and
+(the same graphs at the same shapes), steps really overlapped (greedy ones fed by the output
+rank's own arg-max, `SYNC_SELF`), and a batch of seeded, filtered and
 greedy requests finishes with the same lengths (its batches differ by the dropped step computed for
 a sequence that ends, so bf16 rounding may differ). Skipped without two CUDA GPUs.
 """
@@ -38,16 +39,18 @@ def _run(model_dir, monkeypatch, tp_async: str):  # noqa: F811
                              use_tqdm=False).outputs[0]
             single.append((o.token_ids, [next(iter(lp.values())).logprob for lp in o.logprobs]))
         overlapped = llm._core.num_overlapped_steps
+        self_steps = getattr(llm._executor, "num_self_steps", 0)
         batch = llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.delenv("KVPILOT_TP_ASYNC")
-    return deferred, overlapped, single, [len(o.outputs[0].token_ids) for o in batch]
+    return deferred, (overlapped, self_steps), single, [len(o.outputs[0].token_ids) for o in batch]
 
 
 def test_async_tp2_matches_settled_tp2(model_dir, monkeypatch):  # noqa: F811
     deferred, overlapped, single, lengths = _run(model_dir, monkeypatch, "1")
     s_deferred, s_overlapped, s_single, s_lengths = _run(model_dir, monkeypatch, "0")
     assert deferred and not s_deferred
-    assert overlapped >= 3 * 30 and s_overlapped == 0
+    assert overlapped[0] >= 3 * 30 and s_overlapped[0] == 0
+    assert overlapped[1] >= 3 * 28  # greedy: the output rank's own arg-max fed the next step
     assert [t for t, _ in single] == [t for t, _ in s_single]
     for (_, lp), (_, slp) in zip(single, s_single):
         assert lp == pytest.approx(slp, abs=1e-5)

@@ -508,6 +508,22 @@ class MultiprocExecutor:
         self._unpub.clear()
         self._ready_ids = None
 
+    def _stash_answer(self, msg) -> bool:
+        """Keep a step answer read from the output rank's pipe ahead of its `await_logits` (while
+        collecting step timing, or polling an earlier step's event: with ``SYNC_SELF`` the output
+        rank runs a step ahead), with the logits bytes that follow it on the pipe. False when
+        ``msg`` is not such an answer."""
+        if msg[0] != MSG_OK or len(self._stash) >= len(self._sent):
+            return False
+        raw = None
+        if not msg[3]:
+            try:
+                raw = self._out_conn.recv_bytes()
+            except (EOFError, OSError):
+                self._die("the output worker closed its pipe while sending logits")
+        self._stash.append((msg, raw))
+        return True
+
     def _next_answer(self) -> tuple:
         """(the output rank's next step answer, its logits bytes if `step_timing` read them, else
         None); answers `step_timing` read first come first."""
@@ -610,7 +626,13 @@ class MultiprocExecutor:
                 time.sleep(0)  # lets other threads (the server, output work) run
                 continue
             check_at = now + 2e-4
-            self._fail_on(mp_wait(watched, timeout=0), sentinels, False, " while its step ran")
+            ready = mp_wait(watched, timeout=0)
+            if self.defers_logits and any(r is self._out_conn for r in ready):
+                ready = [r for r in ready if r is not self._out_conn]
+                msg = self._recv(self._out_conn, False)  # a worker's error raises here
+                if not self._stash_answer(msg):
+                    self._die(f"unexpected message {msg[0]!r} from the output worker while its step ran")
+            self._fail_on(ready, sentinels, False, " while its step ran")
             if time.monotonic() > deadline:
                 self._die(f"the output worker's step did not finish within {self._step_timeout:.0f} s")
 
@@ -654,16 +676,7 @@ class MultiprocExecutor:
         waiting = list(self._plan_conns)
         while waiting:
             conn, msg = self._wait_for(waiting, self._step_timeout)
-            if msg[0] == MSG_OK and conn is self._out_conn and self._sent and len(self._stash) < len(self._sent):
-                # A step answer ahead of the timing (asynchronous steps): kept, with the logits
-                # bytes that follow it on the pipe, for `await_logits`.
-                raw = None
-                if not msg[3]:
-                    try:
-                        raw = self._out_conn.recv_bytes()
-                    except (EOFError, OSError):
-                        self._die("the output worker closed its pipe while sending logits")
-                self._stash.append((msg, raw))
+            if conn is self._out_conn and self._stash_answer(msg):
                 continue
             if msg[0] != MSG_TIMING:
                 self._die(f"unexpected message {msg[0]!r} while collecting step timing")

@@ -688,6 +688,35 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             pass
 
 
+class _DeviceClock:
+    """Device-side step times of a rank (step timing on GPUs), from timing events on its stream:
+    ``gpu_step`` (from the step's first queued work to its end, waits on peers included) and
+    ``gpu_idle`` (from the previous step's end to this step's start: zero when the step was queued
+    behind the previous one, the stream's idle time otherwise). Read without synchronizing: a pair
+    of steps is measured once the later one has completed on the device."""
+
+    def __init__(self, timer: StepTimer) -> None:
+        self.timer = timer
+        self.steps: deque = deque()
+        self._start = None
+
+    def start(self) -> None:
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record()
+        self.steps.append((self._start, stop))
+        self._start = None
+        while len(self.steps) >= 2 and self.steps[1][1].query():
+            (_s0, e0), (s1, e1) = self.steps.popleft(), self.steps[0]
+            self.timer.add("gpu_step", s1.elapsed_time(e1) * 1e-3)
+            self.timer.add("gpu_idle", e0.elapsed_time(s1) * 1e-3)
+
+
 def _answer_timing(worker: Worker, conn, reset: bool) -> None:
     """Answer a ("timing", reset) request with this rank's `StepTimer` summary."""
     timer = worker.timer
@@ -711,6 +740,7 @@ def _serve(worker: Worker, conn) -> None:
     on_gpu = spec.device.startswith("cuda")
     spin = pipe_spin_seconds(spec.device)
     clock = time.perf_counter
+    device_clock = _DeviceClock(timer) if timer is not None and on_gpu else None
     while True:
         if timer is not None:
             t_idle = clock()
@@ -752,6 +782,8 @@ def _serve(worker: Worker, conn) -> None:
             timer.add("recv", t_plan - t_recv)
         if sync is not None:
             worker.set_input_sync(sync, conn)
+        if device_clock is not None:
+            device_clock.start()
         result = worker.execute(plan)
         if timer is not None:
             t_launch = clock()
@@ -772,6 +804,8 @@ def _serve(worker: Worker, conn) -> None:
                 if sync is not None and buf is not None and worker.tok_event is not None:
                     # The front end's last published sampler has read this slot's previous logits.
                     torch.cuda.current_stream().wait_event(worker.tok_event)
+                if device_clock is not None:
+                    device_clock.end()
                 pending = _send_logits(conn, *result, buf, event)
                 if timer is not None:
                     t_sent = clock()
@@ -779,9 +813,12 @@ def _serve(worker: Worker, conn) -> None:
                     if pending is not None and gpu_timing:
                         pending.synchronize()  # timing only: after the answer, so it delays nothing
                         timer.add("gpu_done_after_answer", clock() - t_sent)
-            elif gpu_timing:
-                torch.cuda.current_stream().synchronize()  # timing only
-                timer.add("gpu_done", clock() - t_launch)
+            else:
+                if device_clock is not None:
+                    device_clock.end()
+                if gpu_timing:
+                    torch.cuda.current_stream().synchronize()  # timing only
+                    timer.add("gpu_done", clock() - t_launch)
             continue
         # Multi-node: the output rank may live on another node; rank 0 relays its logits.
         if worker.is_output:

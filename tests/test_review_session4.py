@@ -169,7 +169,9 @@ def _front_end(event, procs, conns, timeout=30.0):
     from kvpilot.parallel import MultiprocExecutor
 
     ex = MultiprocExecutor.__new__(MultiprocExecutor)
-    ex._logits_event = event
+    ex._logits_events = [event, event]
+    ex.defers_logits = False
+    ex._out_conn = conns[0]
     ex._procs = procs
     ex._conns = conns
     ex._step_timeout = timeout
@@ -193,7 +195,7 @@ def test_logits_event_wait_returns_once_the_event_completes():
     try:
         event = _Event(2000)
         ex, died = _front_end(event, [_Proc(sentinel_r)], [r])
-        ex._await_logits_event()
+        ex._await_logits_event(0)
         assert event.queries == 2001 and not died
     finally:
         os.close(sentinel_r)
@@ -212,7 +214,7 @@ def test_logits_event_wait_stops_when_a_worker_dies():
     try:
         ex, died = _front_end(_Event(10**12), [_Proc(alive_r), _Proc(dead_r)], [r, None])
         with pytest.raises(EngineDeadError, match="worker rank 1 exited"):
-            ex._await_logits_event()
+            ex._await_logits_event(0)
     finally:
         for fd in (alive_r, alive_w, dead_r, dead_w):
             os.close(fd)
@@ -230,7 +232,7 @@ def test_logits_event_wait_reports_a_worker_error_message():
     try:
         ex, died = _front_end(_Event(10**12), [_Proc(sentinel_r)], [r])
         with pytest.raises(EngineDeadError, match="boom"):
-            ex._await_logits_event()
+            ex._await_logits_event(0)
     finally:
         os.close(sentinel_r)
         os.close(sentinel_w)
@@ -244,7 +246,7 @@ def test_logits_event_wait_times_out():
     try:
         ex, died = _front_end(_Event(10**12), [_Proc(sentinel_r)], [r], timeout=0.05)
         with pytest.raises(EngineDeadError, match="did not finish within"):
-            ex._await_logits_event()
+            ex._await_logits_event(0)
     finally:
         os.close(sentinel_r)
         os.close(sentinel_w)
@@ -260,3 +262,39 @@ def test_executor_after_shutdown_raises_engine_dead(tiny_model_dir):
         ex.step_timing()
     with pytest.raises(EngineDeadError, match="shut down"):
         ex.execute([])
+
+
+def test_logits_event_wait_keeps_an_answer_that_runs_ahead():
+    """Asynchronous steps: with greedy rows the output rank runs the next step before the front end
+    has read the current one, so its answer arrives while the current step's event is polled. It is
+    kept for the next `await_logits` (with its logits bytes when they come on the pipe), not taken
+    for a protocol error; anything else on that pipe still ends the engine."""
+    import multiprocessing as mp
+
+    from kvpilot.parallel_worker import MSG_OK
+
+    r, w = mp.Pipe(duplex=False)
+    sentinel_r, sentinel_w = os.pipe()
+    try:
+        ex, died = _front_end(None, [_Proc(sentinel_r)], [r])
+
+        class Done:  # the step completes only once the early answer was kept
+            def query(self) -> bool:
+                return bool(ex._stash)
+
+        ex._logits_events = [Done()]
+        ex.defers_logits = True
+        ex._sent, ex._stash = [[1, None, False, 1]], []
+        w.send((MSG_OK, (1, 8), [0], False))
+        w.send_bytes(b"\0" * 32)
+        ex._await_logits_event(0)
+        assert not died
+        assert ex._stash == [((MSG_OK, (1, 8), [0], False), b"\0" * 32)]
+        ex._stash = []
+        ex._logits_events = [_Event(10**12)]
+        w.send(("timing", 0, {}))
+        with pytest.raises(EngineDeadError, match="unexpected message 'timing' from the output worker"):
+            ex._await_logits_event(0)
+    finally:
+        os.close(sentinel_r)
+        os.close(sentinel_w)

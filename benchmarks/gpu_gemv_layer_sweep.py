@@ -42,7 +42,7 @@ OPS = {
         C("fma", 1, 4, 2048, programs_per_sm=4), C("fma", 1, 16, 512, programs_per_sm=4),
         C("fma", 1, 8, 2048, num_warps=8, programs_per_sm=2), C("fma", 1, 8, 1024, num_stages=2, programs_per_sm=4),
     ]),
-    "qkv": ("rmsnorm", 1, [
+    "qkv": ("rmsnorm", 2, [
         C("fma", 1, 4, 2048, programs_per_sm=2), C("fma", 1, 4, 2048, programs_per_sm=3),
         C("fma", 1, 4, 2048, programs_per_sm=6), C("fma", 1, 4, 2048, programs_per_sm=8),
         C("fma", 1, 8, 1024, programs_per_sm=4), C("fma", 1, 4, 1024, programs_per_sm=4),

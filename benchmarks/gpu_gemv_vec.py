@@ -74,7 +74,7 @@ OPS = {
     "down": ("silu", 0, [
         C("fma", 1, n, k, vec=8) for n, k in ((2, 2048), (1, 4096), (2, 4096), (4, 1024), (1, 2048))
     ]),
-    "qkv": ("rmsnorm", 1, [
+    "qkv": ("rmsnorm", 2, [
         C("fma", 1, n, k, programs_per_sm=p, norm_one_load=True, vec=8)
         for n, k, p in ((4, 2048, 12), (2, 2048, 8), (2, 2048, 12), (2, 4096, 8), (4, 4096, 8), (4, 1024, 12))
     ] + [C("fma", 1, 4, 2048, programs_per_sm=4, norm_one_load=True)]),  # the previous table's

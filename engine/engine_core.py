@@ -125,8 +125,8 @@ class _InFlight:
     # An executor with ``defers_logits``: (logits, their rows to sample or None for all, sampling
     # rows) while the sampler is not launched yet (``handle`` is None until `_start_inflight`).
     launch: Optional[tuple] = None
-    # The executor was asked for the step's arg-max ids on the worker (``greedy_hint``): every
-    # sampled row is plain greedy (`_plain_greedy`).
+    # An arg-max step (``greedy_hint``): every row is `_argmax_only`; the output rank computes the
+    # ids (`MultiprocExecutor.await_ids`) and no logits come back.
     argmax: bool = False
 
 
@@ -213,7 +213,7 @@ class EngineCore:
         self._itl: list[float] = []
         self._beam_requests: set[int] = set()  # ids of live use_beam_search requests
         self._gen_logits_requests: set[int] = set()  # ids of live return_generation_logits requests
-        self._not_plain_greedy: set[int] = set()  # ids of live requests `_plain_greedy` says no to
+        self._not_argmax_only: set[int] = set()  # ids of live requests `_argmax_only` says no to
         self._cuda = torch.cuda.is_available()  # asked once: the query costs microseconds per step
 
     def flush_outputs(self) -> None:
@@ -235,8 +235,8 @@ class EngineCore:
             self._beam_requests.add(req.request_id)
         if p.return_generation_logits:
             self._gen_logits_requests.add(req.request_id)
-        if not _plain_greedy(p):
-            self._not_plain_greedy.add(req.request_id)
+        if not _argmax_only(p):
+            self._not_argmax_only.add(req.request_id)
         limit = min(req.num_prompt_tokens + p.max_tokens, self.max_seq_len)
         for seq in req.seqs:
             init_offsets(seq)
@@ -317,7 +317,7 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self._beam_requests.discard(req.request_id)
         self._gen_logits_requests.discard(req.request_id)
-        self._not_plain_greedy.discard(req.request_id)
+        self._not_argmax_only.discard(req.request_id)
         now = time.monotonic()
         m = req.output.metrics
         reasons = {s.finish_reason for s in req.seqs}
@@ -396,13 +396,18 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
-        argmax = False
+        argmax = defer = False
         if prev is not None and not self._defers:
             self.executor.set_inflight_tokens(prev.handle.tokens)
         elif self._defers:
-            # Plain greedy rows only: the output rank writes the step's arg-max ids itself, and the
-            # next step may read them there at once (the front end's sampler gives the same ids).
-            argmax = not self._not_plain_greedy
+            # Sample this step in the next call, after its successor is planned and sent, unless
+            # its logits are needed on the host now (prompt logprobs, beams, generation logits).
+            defer = (self._overlap_ok() and not host_logits and not self._beam_requests
+                     and not self._gen_logits_requests)
+            # Arg-max steps (every live request `_argmax_only`): the output rank computes the ids,
+            # which the next step reads there at once (SYNC_SELF), and sends them; the front end
+            # samples nothing and does no device work (module docstring).
+            argmax = defer and not self._not_argmax_only
             self.executor.greedy_hint = (argmax, prev is not None and prev.handle is None and prev.argmax
                                          and prev.launch[1] is None)
         logits, _ = self.executor.execute(plan)
@@ -412,14 +417,8 @@ class EngineCore:
             self.num_overlapped_steps += 1
             n_read, rollback = self._resolve_inflight()
             num_generated += n_read
-        defer = False
-        if self._defers:
-            # Sample this step in the next call, after its successor is planned and sent, unless
-            # its logits are needed on the host now (prompt logprobs, beams, generation logits).
-            defer = (self._overlap_ok() and not host_logits and not self._beam_requests
-                     and not self._gen_logits_requests)
-            if not defer:
-                logits = self.executor.await_logits()
+        if self._defers and not defer:
+            logits = self.executor.await_logits()
         # A sampler with ``launch`` (see `_launch`) lets the output work also cover its own kernels.
         split = getattr(self.sampler, "launch", None) is not None
         if self._pending and not split:
@@ -577,6 +576,14 @@ class EngineCore:
         cannot stay in flight is read here (`_Ready`)."""
         logits, sample_rows, rows = prev.launch
         prev.launch = None
+        if prev.argmax:  # the output rank's arg-max ids (`_argmax_only` rows): nothing to sample here
+            ids = self.executor.await_ids()
+            if sample_rows is not None:
+                ids = [ids[r] for r in sample_rows]
+            n = len(ids)
+            prev.handle = _Ready(SamplerOutput(ids, [None] * n, [None] * n))
+            self.executor.publish_tokens(prev.handle.tokens)
+            return
         logits = self.executor.await_logits()
         sel = logits if sample_rows is None else logits[_upload_rows(sample_rows, logits.device)]
         handle, out = self._launch(sel, rows, prev.seqs)
@@ -881,12 +888,16 @@ class EngineCore:
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
 
 
-def _plain_greedy(p) -> bool:
-    """Whether the sampler's token for ``p`` is the arg-max of the raw logits: greedy, with nothing
-    that changes the logits first (penalties, biases, bans, ``min_tokens``) and no beams."""
+def _argmax_only(p) -> bool:
+    """Whether a request needs nothing but the arg-max of its raw logits: greedy, nothing that
+    changes the logits first (penalties, biases, bans, ``min_tokens``), no beams, and no
+    log-probabilities or logits returned (so the sampler's token is ``logits.argmax(-1)``, the first
+    maximum, as `torch.argmax` picks it on any device)."""
     return (p.greedy and not p.use_beam_search and p.repetition_penalty == 1.0 and not p.frequency_penalty
             and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
-            and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens)
+            and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens and p.logprobs is None
+            and p.num_candidates == p.n and p.prompt_logprobs is None and not p.return_context_logits
+            and not p.return_generation_logits)
 
 
 def _upload_rows(rows: list[int], dev: torch.device) -> torch.Tensor:

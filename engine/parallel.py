@@ -41,7 +41,7 @@ from typing import Mapping, Optional
 import torch
 
 from .config import KvCacheConfig, ModelConfig
-from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_OK, MSG_READY,
+from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK, MSG_READY,
                               MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds,
                               spin_poll, stage_layers, step_timing_enabled, worker_main)
 
@@ -410,7 +410,7 @@ class MultiprocExecutor:
             logits = buf[slot, :n_rows]
         else:
             logits = torch.empty((n_rows, self.spec.cfg.vocab_size), dtype=torch.float32)
-        self._sent.append([n_rows, logits, False, slot])
+        self._sent.append([n_rows, logits, False, slot, argmax])
         if timer is not None:
             self._last_return = time.perf_counter()
             timer.add("send", self._last_return - t0)
@@ -423,23 +423,46 @@ class MultiprocExecutor:
 
         Raises:
             EngineDeadError: a worker failed, exited or timed out.
-            RuntimeError: no step is waiting (a caller's protocol error).
+            RuntimeError: no step is waiting, or it is an arg-max step (`await_ids`).
         """
+        return self._await_step(False)
+
+    def await_ids(self) -> list[int]:
+        """For an arg-max step (``greedy_hint`` asked for it): wait for the oldest step not yet
+        awaited and return its ids, one per logits row (the output rank's ``argmax(-1)`` of them),
+        instead of logits, which never leave the output rank.
+
+        Raises:
+            EngineDeadError: a worker failed, exited or timed out.
+            RuntimeError: no step is waiting, or it is not an arg-max step.
+        """
+        return self._await_step(True)
+
+    def _await_step(self, want_ids: bool):
         with self._lock:
             self._check_usable()
             timer = self._timer
             t0 = time.perf_counter() if timer is not None else 0.0
             while True:
                 if not self._sent:
-                    raise RuntimeError("await_logits without a step sent (execute) and not awaited")
-                n_rows, logits, orphan, slot = self._sent.popleft()
-                msg, raw = self._next_answer()
+                    raise RuntimeError("no step sent (execute) and not awaited")
+                n_rows, logits, orphan, slot, argmax = self._sent.popleft()
+                if not orphan and argmax != want_ids:
+                    raise RuntimeError(f"the step {'is' if argmax else 'is not'} an arg-max step: "
+                                       f"use {'await_ids' if argmax else 'await_logits'}")
+                msg, raw = self._next_message(MSG_OK)
                 _, shape, _rows, in_buffer = msg
                 if shape[0] != n_rows:
                     self._die(f"the output worker answered {shape[0]} logits rows, the plan has {n_rows}")
-                if in_buffer:
+                if argmax:
+                    ids = self._next_message(MSG_IDS)[0][1]
+                    if len(ids) != n_rows:
+                        self._die(f"the output worker sent {len(ids)} ids for {n_rows} rows")
+                    result = ids
+                elif in_buffer:
                     if not orphan:
                         self._await_logits_event(slot)
+                    result = logits
                 else:
                     if raw is None:
                         try:
@@ -448,12 +471,13 @@ class MultiprocExecutor:
                             self._die("the output worker closed its pipe while sending logits")
                     if raw and not orphan:
                         logits.view(-1).numpy()[:] = memoryview(raw).cast("f")
+                    result = logits
                 if not orphan:
                     break
             if timer is not None:
                 t1 = self._last_return = time.perf_counter()
                 timer.add("logits", t1 - t0)
-            return logits
+            return result
 
     def publish_tokens(self, tokens: Optional[torch.Tensor]) -> None:
         """Hand the oldest unpublished step's sampled ids to the workers: ``tokens`` int64 ``[S]``
@@ -473,6 +497,10 @@ class MultiprocExecutor:
             step = self._unpub.popleft()
             if step["self_read"]:
                 tokens = None  # the next step read the output rank's own arg-max ids (SYNC_SELF)
+                if step["argmax"]:
+                    # Nothing was read out of the shared buffers: no device work at all here (this
+                    # process's kernels would time-slice the output rank's GPU, module docstring).
+                    return
             ids = None
             if self._tok_buf is not None:
                 if tokens is not None and tokens.numel():
@@ -509,12 +537,15 @@ class MultiprocExecutor:
         self._ready_ids = None
 
     def _stash_answer(self, msg) -> bool:
-        """Keep a step answer read from the output rank's pipe ahead of its `await_logits` (while
-        collecting step timing, or polling an earlier step's event: with ``SYNC_SELF`` the output
-        rank runs a step ahead), with the logits bytes that follow it on the pipe. False when
-        ``msg`` is not such an answer."""
-        if msg[0] != MSG_OK or len(self._stash) >= len(self._sent):
+        """Keep a step answer or an arg-max step's ids read from the output rank's pipe ahead of
+        their `await_logits` / `await_ids` (while collecting step timing, or polling an earlier
+        step's event: with ``SYNC_SELF`` the output rank runs a step ahead), with the logits bytes
+        that follow an answer on the pipe. False when ``msg`` is neither (or no step is due)."""
+        if msg[0] not in (MSG_OK, MSG_IDS) or not self._sent:
             return False
+        if msg[0] == MSG_IDS:
+            self._stash.append((msg, None))
+            return True
         raw = None
         if not msg[3]:
             try:
@@ -524,16 +555,20 @@ class MultiprocExecutor:
         self._stash.append((msg, raw))
         return True
 
-    def _next_answer(self) -> tuple:
-        """(the output rank's next step answer, its logits bytes if `step_timing` read them, else
-        None); answers `step_timing` read first come first."""
-        if self._stash:
-            return self._stash.pop(0)
-        spin_poll(self._out_conn, self._spin)
-        _, msg = self._wait_for([self._out_conn], self._step_timeout)
-        if msg[0] != MSG_OK:
-            self._die(f"unexpected message from the output worker: {msg[0]!r}")
-        return msg, None
+    def _next_message(self, kind: str) -> tuple:
+        """(the output rank's next message of ``kind``, `MSG_OK` or `MSG_IDS`; the logits bytes that
+        followed an answer if they were read with it, else None). Kept ones come first; the other
+        kind met on the way is kept (an arg-max step's ids may come after the next step's answer)."""
+        for i, (msg, raw) in enumerate(self._stash):
+            if msg[0] == kind:
+                return self._stash.pop(i)
+        while True:
+            spin_poll(self._out_conn, self._spin)
+            _, msg = self._wait_for([self._out_conn], self._step_timeout)
+            if msg[0] == kind:
+                return msg, None
+            if not self._stash_answer(msg):
+                self._die(f"unexpected message from the output worker: {msg[0]!r}")
 
     @property
     def _unpublished(self) -> int:

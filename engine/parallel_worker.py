@@ -72,6 +72,7 @@ LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end
 # Asynchronous tensor-parallel steps (`MultiprocExecutor.defers_logits`): a "step" message's fourth
 # field is None (a settled plan) or (kind, broadcast, ids, event handle), see `InputSync`.
 MSG_GO = "go"
+MSG_IDS = "ids"  # ("ids", list[int]): an arg-max step's ids, sent by the output rank once they exist
 SYNC_EVENT = 1  # the sampled ids are published: the output rank's stream waits on the front end's event
 SYNC_GO = 2  # the output rank first waits for ("go", ids or None): the ids are published after this plan
 SYNC_SELF = 3  # the ids are the output rank's own arg-max of the previous step (all its rows greedy)
@@ -485,6 +486,11 @@ class Worker:
         if self.is_output and spec.pp_size == 1 and not spec.multi_node:
             self.tok_buf = torch.zeros(spec.max_batch_size, dtype=torch.int64, device=self.device)
         self.stop_requested = False
+        # Arg-max steps (`argmax_step`): ids copied to the host, sent once their step is done.
+        self.pending_ids: deque = deque()  # (event or None, host ids tensor)
+        self._ids_host = None
+        if self.tok_buf is not None and on_gpu:
+            self._ids_host = torch.empty((2, spec.max_batch_size), dtype=torch.int64, pin_memory=True)
         logger.info("rank %d (pp %d, tp %d): layers %s, %d KV blocks", rank, self.pp_rank, self.tp_rank,
                     layer_range, self.num_blocks)
 
@@ -500,6 +506,38 @@ class Worker:
             self.runner.set_inflight_tokens(self.tok_buf)
         self.runner.input_sync = InputSync(self, kind, broadcast, ids, conn)
 
+    def argmax_step(self, logits: torch.Tensor, slot: int) -> None:
+        """An arg-max step (every sampled row plain greedy, nothing the front end needs the logits
+        for): write the ids ``logits.argmax(-1)`` into ``tok_buf`` (the next step may read them there,
+        ``SYNC_SELF``) and queue their copy to the host; `flush_ids` sends them as ("ids", list)."""
+        n = logits.shape[0]
+        ids = self.tok_buf[:n]
+        torch.argmax(logits, dim=-1, out=ids)
+        if self._ids_host is None:
+            self.pending_ids.append((None, ids.clone()))
+            return
+        host = self._ids_host[slot, :n]
+        host.copy_(ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending_ids.append((event, host))
+
+    def flush_ids(self, conn, keep: int) -> None:
+        """Send the ids of pending arg-max steps, oldest first, until ``keep`` remain; waits for
+        their steps to finish on the device."""
+        while len(self.pending_ids) > keep:
+            event, host = self.pending_ids.popleft()
+            if event is not None:
+                event.synchronize()
+            conn.send((MSG_IDS, host.tolist()))
+
+    def poll_ids(self, conn) -> None:
+        """While the pipe is empty, send the oldest pending ids as soon as its step is done."""
+        while self.pending_ids and not conn.poll(0):
+            event, _ = self.pending_ids[0]
+            if event is None or event.query():
+                self.flush_ids(conn, keep=len(self.pending_ids) - 1)
+
     def wait_go(self, conn) -> Optional[list[int]]:
         """Read the pipe until the front end's ("go", ids) message and return ids (None: they are in
         ``tok_buf`` behind the front end's event). Step-timing requests met on the way are answered.
@@ -508,6 +546,7 @@ class Worker:
             StopRequested: the front end sent the stop message or closed the pipe.
             RuntimeError: any other message (a protocol error).
         """
+        self.flush_ids(conn, keep=0)  # the front end may need them to publish what this step waits for
         spin = go_spin_seconds(self.spec.device)
         while True:
             try:
@@ -742,6 +781,8 @@ def _serve(worker: Worker, conn) -> None:
     clock = time.perf_counter
     device_clock = _DeviceClock(timer) if timer is not None and on_gpu else None
     while True:
+        if worker.pending_ids:
+            worker.poll_ids(conn)
         if timer is not None:
             t_idle = clock()
         if spec.multi_node:
@@ -794,11 +835,17 @@ def _serve(worker: Worker, conn) -> None:
         # the next step while the device computes).
         gpu_timing = timer is not None and on_gpu and sync is None
         if not spec.multi_node or output_rank == 0:
-            if worker.is_output:
-                if argmax and worker.tok_buf is not None and result[0].shape[0]:
-                    # The next step reads these ids on this stream (``SYNC_SELF``): all its rows are greedy.
-                    logits = result[0]
-                    torch.argmax(logits, dim=-1, out=worker.tok_buf[:logits.shape[0]])
+            if worker.is_output and argmax:
+                # The front end takes the ids, not the logits: nothing is copied out (module docstring).
+                logits, rows = result
+                worker.argmax_step(logits, slot)
+                if device_clock is not None:
+                    device_clock.end()
+                conn.send((MSG_OK, tuple(logits.shape), rows, True))
+                worker.flush_ids(conn, keep=1 if worker._ids_host is not None else 0)
+                if timer is not None:
+                    timer.add("answer", clock() - t_launch)
+            elif worker.is_output:
                 buf = worker.logits_buf[slot] if worker.logits_buf is not None and logits_mode != LOGITS_PIPE else None
                 event = worker.logits_events[slot] if logits_mode == LOGITS_EVENT else None
                 if sync is not None and buf is not None and worker.tok_event is not None:

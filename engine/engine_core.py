@@ -54,9 +54,17 @@ the step N+1 queued behind it), and copies the logits rows a redraw may read (a 
 logits are a static buffer step N+1 overwrites); generation logits are copied to the host likewise.
 No upload from pageable memory may run while a step is in flight: it would wait for the stream.
 
+An executor with ``defers_logits`` (the tensor-parallel `MultiprocExecutor`'s asynchronous steps)
+returns a step's logits before they exist: the sampler of step N is launched in the next call, right
+after step N+1 is sent (`_start_inflight`: ``await_logits``, launch, ``publish_tokens``, which hands
+the ids to the workers waiting for them), unless the step needs its logits on the host (prompt
+logprobs, beams, generation logits: then it waits for them at once). When every live request is
+`_argmax_only`, the step is an arg-max step: the output rank computes the ids and sends them
+(``await_ids``), and nothing is sampled here.
+
 The step falls back to the synchronous order (read step N first, then schedule): where the schedule
 would preempt (``Scheduler.schedule(preempt=False)`` says so; the read may free blocks), when the
-feature is switched off, with an executor without ``supports_async_scheduling`` (the tensor/pipeline
+feature is switched off, with an executor without ``supports_async_scheduling`` (the pipeline
 parallel `MultiprocExecutor`), and with a sampler without ``launch`` or whose call lacks ``tokens``
 or ``detach`` (`_overlap_ok`). An abort of a
 request in the in-flight step, `fail_all` and shutdown read that step first, so they see the

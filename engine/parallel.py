@@ -15,6 +15,13 @@ A worker that raises, exits or stops answering makes `execute` raise `EngineDead
 worker's traceback; the engine loop is stopped and every other worker is terminated, so nothing
 hangs. Waits use `multiprocessing.connection.wait` over the pipes and the process sentinels.
 
+Asynchronous steps (`MultiprocExecutor.defers_logits`; one pipeline stage on one node,
+``KVPILOT_TP_ASYNC`` not 0): the front end sends step N+1 before it samples step N, and the output
+rank gets step N's ids from the front end (a "go" message, or the interprocess event of an earlier
+publication) or from its own arg-max when every live request wants only greedy ids; the front end
+then queues no device work, since its kernels would time-slice the output rank's GPU
+(``parallel_worker.InputSync``; docs/parallelism.md).
+
 Multi-node (a LeaderWorkerSet group): LWS sets ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE`` and
 ``LWS_WORKER_INDEX`` in every pod; the rendezvous is ``tcp://$LWS_LEADER_ADDRESS:$MASTER_PORT``.
 Pod ``i`` runs ranks ``[i * R, (i + 1) * R)`` with ``R = T * P / LWS_GROUP_SIZE``. The leader's
@@ -41,9 +48,10 @@ from typing import Mapping, Optional
 import torch
 
 from .config import KvCacheConfig, ModelConfig
-from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK, MSG_READY,
-                              MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer, WorkerSpec, pipe_spin_seconds,
-                              spin_poll, stage_layers, step_timing_enabled, worker_main)
+from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
+                              MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer,
+                              WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers, step_timing_enabled,
+                              worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -683,8 +691,11 @@ class MultiprocExecutor:
         decode), ``prepare_launch`` (the rank's host work for the step, until every kernel is queued),
         ``answer`` (output rank: logits into the buffer or pipe and the answer; includes the GPU time
         when it synchronizes first), ``gpu_done_after_answer`` (output rank: GPU completion after an
-        early answer), ``gpu_done`` (other GPU ranks: completion after launch). Measuring the GPU
-        phases synchronizes after the answer, never before it. ``reset`` clears all samples after
+        early answer), ``gpu_done`` (other GPU ranks: completion after launch), ``gpu_step`` and
+        ``gpu_idle`` (device-side, from timing events: a step's time on the rank's stream, and the
+        stream's idle time before it). Measuring ``gpu_done*`` synchronizes after the answer, never
+        before it, and only on settled steps (on asynchronous ones it would stop a rank preparing the
+        next step); asynchronous steps add ``await_logits`` waits to ``logits``. ``reset`` clears all samples after
         reading them. Safe to call while the engine runs (it waits for the step in flight). In a multi-node group
         only the leader pod's rank 0 reports.
 

@@ -677,8 +677,11 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     Protocol on ``conn`` (a `multiprocessing` pipe end): the worker sends ``("ready", num_blocks,
     ipc)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
     None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``);
-    the front end sends pickled ``("step", encoded plan, logits mode)`` (`PlanEncoder`; `LOGITS_PIPE`,
-    `LOGITS_SYNC` or `LOGITS_EVENT`), ``("timing", reset)`` or ``None`` (stop) as bytes; the output
+    the front end sends pickled ``("step", encoded plan, logits mode, sync, (slot, argmax))``
+    (`PlanEncoder`; `LOGITS_PIPE`, `LOGITS_SYNC` or `LOGITS_EVENT`; ``sync``: None or an asynchronous
+    step's `InputSync` fields; ``slot``: the half of the shared logits buffer; ``argmax``: an arg-max
+    step, answered with ("ids", list) once done instead of logits), ``("go", ids or None)`` (an
+    asynchronous step's ids, `SYNC_GO`), ``("timing", reset)`` or ``None`` (stop) as bytes; the output
     rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not ``in_buffer``,
     by the float32 logits as raw bytes; every rank the front end sends plans to (all of them on one
     node, rank 0 of a multi-node group) answers ``("timing", rank, summary)`` (`StepTimer.summary`,

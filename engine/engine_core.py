@@ -509,6 +509,9 @@ class EngineCore:
                     self.executor.publish_tokens(None)  # read already: the next plan has its ids
                 sampled, any_done = self._append_sampled(sample_seqs, out, gen)
         elif self._defers:
+            if defer:  # nothing left to sample (its rows ended or were rolled back, or a prefill chunk):
+                # its answer is still read, so that the executor's steps stay in order
+                (self.executor.await_ids if argmax else self.executor.await_logits)()
             self.executor.publish_tokens(None)  # nothing sampled in this step
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()

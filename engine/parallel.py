@@ -252,6 +252,7 @@ class MultiprocExecutor:
         self._last_return: Optional[float] = None
         self._spin = pipe_spin_seconds(spec.device)
         self._lock = threading.Lock()  # one exchange on the pipes at a time (steps, step_timing)
+        self._go_sent = threading.Condition(self._lock)  # step_timing waits on it while a plan awaits its go
         deadline = time.monotonic() + _env_float("KVPILOT_WORKER_START_TIMEOUT_S", 1800.0)
         try:
             while len(blocks) < len(self._conns):
@@ -371,7 +372,7 @@ class MultiprocExecutor:
     def _execute_deferred(self, plan) -> tuple[torch.Tensor, list[int]]:
         self._check_usable()
         if self._go_pending:  # the caller gave up a step (an engine error): release it, drop its answer
-            self.abandon_steps()
+            self._abandon_steps()
         timer = self._timer
         if timer is not None:
             t0 = time.perf_counter()
@@ -525,6 +526,7 @@ class MultiprocExecutor:
 
     def _send_go(self, ids: Optional[list]) -> None:
         self._go_pending = False
+        self._go_sent.notify_all()
         try:
             self._out_conn.send_bytes(pickle.dumps((MSG_GO, ids), protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, ConnectionResetError, OSError):
@@ -534,11 +536,17 @@ class MultiprocExecutor:
     def abandon_steps(self) -> None:
         """Forget every step sent and not yet awaited or published (after an engine error dropped
         them): a plan still waiting for its ids is released with stale ones (its results are then
-        read and discarded, like the others' answers)."""
-        if self._go_pending:
+        read and discarded, like the others' answers). After the engine died only the bookkeeping
+        is cleared (the workers are gone)."""
+        with self._lock:
+            self._abandon_steps()
+
+    def _abandon_steps(self) -> None:
+        if self._go_pending and self._dead is None and not self._closed:
             if self._tok_event is not None:
                 self._tok_event.record()
             self._send_go(None if self._tok_buf is not None else [])
+        self._go_pending = False
         for entry in self._sent:
             entry[2] = True
         self._unpub.clear()
@@ -706,6 +714,16 @@ class MultiprocExecutor:
             return self._step_timing(reset)
 
     def _step_timing(self, reset: bool) -> dict:
+        # A plan waiting for its ids (SYNC_GO) holds the other ranks in a collective with the output
+        # rank, so they could not answer until `publish_tokens` sends the go, which needs the lock:
+        # wait for it (the engine thread sends it within its step).
+        deadline = time.monotonic() + self._step_timeout
+        sentinels = {p.sentinel: i for i, p in enumerate(self._procs)}
+        while getattr(self, "_go_pending", False) and self._dead is None and not self._closed:
+            if time.monotonic() > deadline:
+                self._die(f"no step's ids were published within {self._step_timeout:.0f} s")
+            self._fail_on(mp_wait(list(sentinels), timeout=0), sentinels, False, " while a step waited for its ids")
+            self._go_sent.wait(timeout=0.2)
         self._check_usable()
         front = self._timer.summary() if self._timer is not None else {}
         if self._timer is not None and reset:
@@ -780,6 +798,8 @@ class MultiprocExecutor:
 
     def _die(self, reason: str):
         """Mark the engine dead, stop every worker and the engine loop, raise `EngineDeadError`."""
+        if self._dead is not None:
+            raise self._dead  # the first cause is the one to report
         err = _engine_dead_error()(f"tensor/pipeline-parallel engine stopped: {reason}")
         logger.error("%s", err)
         self._dead = err
@@ -806,14 +826,19 @@ class MultiprocExecutor:
         """Ask the workers to stop, then terminate any that do not within 10 s; idempotent."""
         if self._closed:
             return
-        self._closed = True
         if getattr(self, "_timer", None) is not None and self._timer.samples:
             logger.info("front-end step timing: %s", self._timer.summary())
-        if getattr(self, "_go_pending", False) and self._dead is None:
+        if getattr(self, "_go_pending", False) and self._dead is None and self._lock.acquire(timeout=1.0):
+            # The output rank waits for ids while its peers wait for it in a collective: release the
+            # step so that every rank reads the stop. Not if another thread holds the pipes (a step
+            # stuck on a hung worker): the workers are terminated below anyway.
             try:
-                self.abandon_steps()  # the output rank waits for ids: release it, then stop
-            except Exception:  # noqa: BLE001 - stopping anyway; terminated below if it does not
+                self._abandon_steps()
+            except Exception:  # noqa: BLE001 - stopping anyway
                 pass
+            finally:
+                self._lock.release()
+        self._closed = True
         stop = pickle.dumps(None)
         for conn in getattr(self, "_plan_conns", self._conns):
             try:

@@ -667,7 +667,7 @@ def _send_logits(conn, logits: torch.Tensor, rows: list[int], ipc_buf: Optional[
         return event
     arr = logits.detach().float().contiguous().cpu().numpy()
     conn.send((MSG_OK, tuple(arr.shape), rows, False))
-    conn.send_bytes(memoryview(arr).cast("B"))
+    conn.send_bytes(memoryview(arr).cast("B") if arr.size else b"")  # a cast refuses zero-size arrays
     return None
 
 

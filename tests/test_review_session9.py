@@ -445,7 +445,7 @@ def test_preemption_with_a_small_pool(stories_model_dir):
 
 
 @pytest.mark.parametrize("kind", [
-    "greedy",
+    pytest.param("greedy", marks=pytest.mark.slow),
     "sampled",
 ])
 def test_generate_through_the_loop_with_step_timing_from_another_thread(stories_model_dir, tp_llm, kind):
@@ -488,6 +488,7 @@ def test_generate_through_the_loop_with_step_timing_from_another_thread(stories_
         _shutdown(llm)
 
 
+@pytest.mark.slow  # make test's budget: tests/test_parallel_failures.py covers the basics
 @pytest.mark.parametrize("greedy", [True, False], ids=["self", "go"])
 def test_shutdown_while_requests_run(stories_model_dir, greedy):
     """`llm.shutdown()` from the user's thread during a long `generate` returns within seconds, the
@@ -555,6 +556,7 @@ def test_shutdown_is_not_held_by_a_stuck_step(stories_model_dir, monkeypatch):
         closer.join(30)
 
 
+@pytest.mark.slow  # make test's budget: tests/test_parallel_failures.py covers the basics
 @pytest.mark.parametrize("rank,greedy", [(1, False), (0, True)], ids=["rank1-go", "rank0-self"])
 def test_a_worker_killed_mid_generation(stories_model_dir, rank, greedy):
     """A rank killed while asynchronous steps run: `generate` raises within seconds, the engine is

@@ -1,12 +1,15 @@
-"""All-reduce latency on one node: NCCL against PyTorch's symmetric-memory one-shot kernel.
+"""All-reduce latency on one node: NCCL, PyTorch's symmetric-memory one-shot kernel, and kvpilot's
+two-rank one-shot kernel (kernels/allreduce.py, the engine's default at TP 2 for small tensors).
 
-The one-shot kernel (``torch.ops.symm_mem.one_shot_all_reduce_copy_out``: every rank maps its peers'
-buffers and one kernel copies, waits and sums) is what vLLM and TensorRT-LLM call a custom
-all-reduce; this measures whether it would pay for the engine's tensor-parallel decode steps.
+The one-shot kernels (every rank maps its peers' buffers and one kernel exchanges and sums) are what
+vLLM and TensorRT-LLM call a custom all-reduce; this measures what they save in the engine's
+tensor-parallel decode steps.
 
 Two processes (one per GPU) reduce bf16 vectors of several sizes, 64 back-to-back all-reduces of
-distinct tensors captured in one CUDA graph (as a decode step of 32 layers issues them), and check
-every result against the exact sum. Prints microseconds per all-reduce.
+distinct tensors captured in one CUDA graph (as a decode step of 32 layers issues them), each after a
+copy in; ``kvpilot`` runs its kernel at 64 distinct call sites, as the engine does. Every result is
+checked against the exact sum. Prints microseconds per all-reduce (copy included; the copy alone is
+its own column).
 
     python3 benchmarks/gpu_allreduce.py [--world 2]
 """
@@ -22,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-SIZES = [4096, 16384, 65536, 262144, 1048576]  # elements: 8 KB .. 2 MB in bf16
+SIZES = [4096, 16384, 65536, 131072, 262144, 524288, 1048576]  # Llama-8B tokens 1..256: 8 KB .. 2 MB bf16
 REPS = 64
 
 
@@ -61,6 +64,10 @@ def _worker(rank: int, world: int, port: int, out) -> None:
 
     buf = symm_mem.empty(max(SIZES), dtype=torch.bfloat16, device=dev)
     symm_mem.rendezvous(buf, group)
+    from kvpilot.custom_all_reduce import CustomAllReduce
+
+    os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"] = str(max(SIZES) // 4096)
+    car = CustomAllReduce.create(group, rank, world, dev, REPS, 4096) if world == 2 else None
     rows = []
     for n in SIZES:
         # Small integers are exact in bf16, so the sum is checkable bit for bit.
@@ -72,7 +79,9 @@ def _worker(rank: int, world: int, port: int, out) -> None:
             dist.all_reduce(t, group=group)
             want.append(t)
         res = {}
-        for name in ("nccl", "symm_one_shot"):
+        for name in ("copy", "nccl", "symm_one_shot", "kvpilot"):
+            if name == "kvpilot" and car is None:
+                continue
             work = [b.clone() for b in base]
 
             def fn(work=work, name=name):
@@ -80,11 +89,13 @@ def _worker(rank: int, world: int, port: int, out) -> None:
                     t.copy_(base[i])
                     if name == "nccl":
                         dist.all_reduce(t, group=group)
-                    else:
+                    elif name == "symm_one_shot":
                         torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:n], t, "sum", group.group_name, t)
+                    elif name == "kvpilot":
+                        car.all_reduce(t, i)
 
             us = _graph_time_us(fn, REPS)
-            ok = all(torch.equal(w, x) for w, x in zip(work, want))
+            ok = name == "copy" or all(torch.equal(w, x) for w, x in zip(work, want))
             res[name] = (us, ok)
         rows.append((n, res))
     if rank == 0:
@@ -110,13 +121,16 @@ def main() -> None:
     rows = q.get(timeout=300)
     for p in procs:
         p.join(60)
-    print(f"| elements (bf16) | bytes | NCCL us (incl. a copy) | symm-mem one-shot us (incl. a copy) | results exact |")
-    print("|---:|---:|---:|---:|---|")
+    names = ["nccl", "symm_one_shot", "kvpilot"]
+    print("| elements (bf16) | bytes | copy alone us | NCCL us | symm-mem one-shot us | kvpilot one-shot us "
+          "| results exact |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
     bad = False
     for n, res in rows:
-        ok = res["nccl"][1] and res["symm_one_shot"][1]
+        ok = all(res[k][1] for k in names if k in res)
         bad |= not ok
-        print(f"| {n} | {2 * n} | {res['nccl'][0]:.1f} | {res['symm_one_shot'][0]:.1f} | {ok} |")
+        cells = " | ".join(f"{res[k][0]:.1f}" if k in res else "n/a" for k in ["copy"] + names)
+        print(f"| {n} | {2 * n} | {cells} | {ok} |")
     if bad or any(p.exitcode for p in procs):
         sys.exit(1)
 

@@ -38,7 +38,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-KINDS = (("nccl", ("nccl",)), ("attention", ("attention", "attn")),
+KINDS = (("nccl", ("nccl",)), ("one-shot all-reduce", ("two_rank_all_reduce",)), ("attention", ("attention", "attn")),
          ("gemv/matmul", ("gemv", "gemm", "matmul", "sm90", "cutlass", "nvjet", "splitk")))
 
 
@@ -154,12 +154,14 @@ def main() -> int:
                   + f"; busy {busy:.1f}, idle {r['span_us'] - busy:.1f}")
             for name, us, n in r["top"]:
                 print(f"    {us:8.1f} us  x{n:<4} {name}")
-    print("\n| TP | rank | sync step ms | queued step ms | kernel busy us | NCCL us | idle us |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| TP | rank | sync step ms | queued step ms | kernel busy us | NCCL us | one-shot all-reduce us "
+          "| idle us |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         busy = sum(r["kinds_us"].values())
         print(f"| {r['tp']} | {r['rank']} | {r['sync_ms']:.3f} | {r['queued_ms']:.3f} | {busy:.0f} | "
-              f"{r['kinds_us'].get('nccl', 0):.0f} | {r['span_us'] - busy:.0f} |")
+              f"{r['kinds_us'].get('nccl', 0):.0f} | {r['kinds_us'].get('one-shot all-reduce', 0):.0f} | "
+              f"{r['span_us'] - busy:.0f} |")
     return 0
 
 

@@ -91,20 +91,41 @@ class AttentionMetadata:
 
 @dataclass
 class ParallelContext:
-    """This process's place in the tensor-parallel group (rank 0 of 1 when not parallel)."""
+    """This process's place in the tensor-parallel group (rank 0 of 1 when not parallel).
+
+    ``custom_all_reduce``: an object with ``fits(x, site) -> bool`` and ``all_reduce(x, site) -> x``
+    (`kvpilot.engine.custom_all_reduce.CustomAllReduce`, the one-shot kernel of two GPUs) or None
+    (NCCL / gloo only). Each row-parallel call site takes a site number from `new_site` when the
+    model is built; the one-shot kernel keeps one receive buffer per site.
+    """
 
     tp_rank: int = 0
     tp_size: int = 1
     tp_group: Optional[object] = None
+    custom_all_reduce: Optional[object] = None
+    num_sites: int = 0
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the tensor-parallel group in place (no-op with one rank); returns ``x``."""
+    def new_site(self) -> int:
+        """A fresh all-reduce call-site number (0, 1, 2, ... in model-building order)."""
+        self.num_sites += 1
+        return self.num_sites - 1
+
+    def all_reduce(self, x: torch.Tensor, site: Optional[int] = None) -> torch.Tensor:
+        """Sum ``x`` over the tensor-parallel group in place (no-op with one rank); returns ``x``.
+
+        With a ``site`` and a ``custom_all_reduce`` that takes ``x`` (small enough; every rank
+        decides alike, from ``x``'s size) the one-shot kernel sums it; otherwise
+        ``torch.distributed.all_reduce``.
+        """
         if self.tp_size > 1:
+            car = self.custom_all_reduce
+            if car is not None and site is not None and car.fits(x, site):
+                return car.all_reduce(x, site)
             dist.all_reduce(x, group=self.tp_group)
         return x
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], matmul,
-                     reduce_fp32: bool) -> torch.Tensor:
+                     reduce_fp32: bool, site: Optional[int] = None) -> torch.Tensor:
         """A row-parallel projection's output, summed over the tensor-parallel group.
 
         ``matmul(x, weight, bias, out_dtype)`` computes this rank's partial product ``[T, N]`` (e.g.
@@ -112,7 +133,8 @@ class ParallelContext:
         holds it) or None. With one rank: ``matmul(x, weight, bias, None)``. With ``reduce_fp32`` and
         a 16-bit ``x``: fp32 partials (no bias), an fp32 all-reduce, the bias added once in fp32, one
         rounding to ``x.dtype`` (module docstring). Otherwise rounded partials, rank 0's with the bias,
-        summed in ``x.dtype``. Returns ``[T, N]`` in ``x.dtype``.
+        summed in ``x.dtype``. ``site``: the call site's number for `all_reduce`. Returns ``[T, N]``
+        in ``x.dtype``.
 
         Inside a CUDA graph capture the fp32 partial comes from the graph's memory pool like any
         other activation, so it is as static as the 16-bit one it replaces.
@@ -121,11 +143,11 @@ class ParallelContext:
             return matmul(x, weight, bias, None)
         if reduce_fp32 and x.dtype in _HALF_DTYPES:
             part = matmul(x, weight, None, torch.float32)
-            dist.all_reduce(part, group=self.tp_group)
+            self.all_reduce(part, site)
             if bias is not None:
                 part.add_(bias)
             return part.to(x.dtype)
-        return self.all_reduce(matmul(x, weight, bias if self.tp_rank == 0 else None, None))
+        return self.all_reduce(matmul(x, weight, bias if self.tp_rank == 0 else None, None), site)
 
 
 class RMSNorm(nn.Module):
@@ -161,6 +183,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
         self.pc = pc
+        self.ar_site = pc.new_site()  # o_proj's all-reduce
         self.reduce_fp32 = tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32
 
     def forward(self, positions, hidden, meta: AttentionMetadata, kv_cache, cos_sin_cache):
@@ -186,7 +209,7 @@ class LlamaAttention(nn.Module):
                                 self.scale, meta.max_query_len, meta.max_seq_len)
         out = out.reshape(n, self.q_size)
         return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias, KG.gemv if fused_gemv else KG.gemv_ref,
-                                    self.reduce_fp32)
+                                    self.reduce_fp32, self.ar_site)
 
 
 class LlamaMLP(nn.Module):
@@ -201,6 +224,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.pc = pc
+        self.ar_site = pc.new_site()  # down_proj's all-reduce
         self.reduce_fp32 = tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32
 
     def forward(self, x):
@@ -214,8 +238,9 @@ class LlamaMLP(nn.Module):
         """
         w, b = self.down_proj.weight, self.down_proj.bias
         if fused_gemv:
-            return self.pc.row_parallel(gate_up, w, b, KG.silu_mul_gemv, self.reduce_fp32)
-        return self.pc.row_parallel(K.silu_and_mul(gate_up), w, b, KG.gemv_ref, self.reduce_fp32)
+            return self.pc.row_parallel(gate_up, w, b, KG.silu_mul_gemv, self.reduce_fp32, self.ar_site)
+        return self.pc.row_parallel(K.silu_and_mul(gate_up), w, b, KG.gemv_ref, self.reduce_fp32,
+                                    self.ar_site)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -274,6 +299,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = pc.tp_rank * self.per_rank
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden))
         self.pc = pc
+        self.ar_site = pc.new_site()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.pc.tp_size == 1:
@@ -282,7 +308,7 @@ class VocabParallelEmbedding(nn.Module):
         mask = (local < 0) | (local >= self.per_rank)
         out = nn.functional.embedding(local.masked_fill(mask, 0), self.weight)
         out = out.masked_fill(mask.unsqueeze(-1), 0)
-        return self.pc.all_reduce(out)
+        return self.pc.all_reduce(out, self.ar_site)
 
 
 class LlamaForCausalLM(nn.Module):

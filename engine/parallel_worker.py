@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .config import KvCacheConfig, ModelConfig
+from .custom_all_reduce import CustomAllReduce
 from .llama import ParallelContext
 from .model_runner import ModelRunner, ScheduledSeq, prefill_padding
 
@@ -442,6 +443,12 @@ class Worker:
         self.ctrl_group = dist.new_group(backend="gloo", timeout=timeout) if (spec.multi_node and on_gpu) else None
         pc = ParallelContext(self.tp_rank, spec.tp_size, tp_group)
         layer_range = stage_layers(spec.cfg.num_hidden_layers, spec.pp_size)[self.pp_rank]
+        if on_gpu and spec.tp_size == 2 and spec.ranks_per_node % spec.tp_size == 0:
+            # Before the model (its layers take site numbers) and before the KV cache is sized. One
+            # site per row-parallel layer, plus the embedding's.
+            sites = 2 * (layer_range[1] - layer_range[0]) + 1
+            pc.custom_all_reduce = CustomAllReduce.create(tp_group, self.tp_rank, spec.tp_size, self.device,
+                                                          sites, spec.cfg.hidden_size)
         self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
                                   spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
                                   pc=pc, layer_range=layer_range)

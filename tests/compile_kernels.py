@@ -508,13 +508,24 @@ def _sampling_penalties(rep_on: bool, freq_on: bool):
     return case
 
 
+def _all_reduce(tokens: int, dtype: torch.dtype):
+    def case():
+        from kvpilot.kernels.allreduce import empty_receive_buffer, two_rank_all_reduce
+
+        # o_proj / down_proj partial sums (bf16, or float32 with KVPILOT_TP_REDUCE_FP32=1), one site's buffers
+        recv = empty_receive_buffer(64 * HIDDEN, "cpu")
+        two_rank_all_reduce(torch.empty(tokens, HIDDEN, dtype=dtype), recv, empty_receive_buffer(64 * HIDDEN, "cpu"))
+
+    return case
+
+
 def _with_pdl(mode: int, case: Callable[[], None]) -> Callable[[], None]:
     """``case`` with programmatic dependent launch (kernels/pdl.py) forced to ``mode`` in every
     kernel module that launches with it (on a CPU tensor the wrappers would pick 0)."""
     def run():
-        from kvpilot.kernels import attention, gemv, kv_cache, pointwise
+        from kvpilot.kernels import allreduce, attention, gemv, kv_cache, pointwise
 
-        mods = (attention, gemv, kv_cache, pointwise)
+        mods = (allreduce, attention, gemv, kv_cache, pointwise)
         saved = [m.pdl_mode for m in mods]
         for m in mods:
             m.pdl_mode = lambda device, rows: mode
@@ -560,6 +571,9 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("pdl=1 attention decode fp8 kv, split", _with_pdl(1, _attention(one, [1], [3999], torch.float8_e4m3fn))))
     out.append(("pdl=1 rotary+kv write fp8 kv, 1 token", _with_pdl(1, _rotary_write(one, 1, torch.float8_e4m3fn))))
     out.append(("pdl=1 rms_norm + silu_and_mul, 1 token", _with_pdl(1, _pointwise(one, 1))))
+    # Tensor parallelism 2: the one-shot all-reduce (PDL at batch 1, not at 64 tokens)
+    out.append(("pdl=1 two-rank all-reduce bf16, 1 token", _with_pdl(1, _all_reduce(1, BF16))))
+    out.append(("two-rank all-reduce fp32, 64 tokens", _all_reduce(64, torch.float32)))
     for kinds in ("g", "gttg", "k", "kpma", "gtkpma"):
         out.append((f"sampling draw rows={kinds}", _sampling_draw(kinds)))
     out.append(("sampling draw rows=gkpm pivot fused", _sampling_draw("gkpm", {"pivot_fuse": 1})))

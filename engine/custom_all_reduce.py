@@ -1,0 +1,116 @@
+"""One-shot all-reduce for two tensor-parallel GPUs: buffers, set-up and the engine's switch.
+
+At batch 1 a tensor-parallel decode step of a 32-layer Llama issues 65 all-reduces of one hidden
+vector (8 KB in bf16). NCCL takes about 7.5 us for each on two H200s, and its kernels break the
+PDL chain (kernels/pdl.py) of the Triton kernels around them (BENCHMARKS.md, ninth session).
+`kvpilot.kernels.allreduce.two_rank_all_reduce` sums such small tensors in one PDL kernel that
+writes straight into the peer GPU's memory.
+
+`CustomAllReduce.create` (called by every rank of a tensor-parallel group, collectively, before
+the model is built and the KV cache sized) allocates one float32 receive buffer per call site in
+PyTorch's symmetric memory (``torch.distributed._symmetric_memory``: CUDA IPC mappings of each
+rank's buffer in its peers) and maps the peer's. It returns None, and the engine keeps NCCL, unless
+every rank can: CUDA, exactly two ranks in the group, symmetric memory available, and
+``KVPILOT_TP_CUSTOM_ALLREDUCE`` not 0. NVLink multicast is never used.
+
+Switches (read once, at set-up):
+
+- ``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1): 0 keeps NCCL for every all-reduce.
+- ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` (default 64): the largest all-reduce (in tokens of
+  ``hidden_size`` elements) the one-shot kernel takes; larger ones (prefill) use NCCL. Memory:
+  ``sites * max_tokens * hidden_size * 4`` bytes per GPU (65 sites x 64 x 4096 x 4 = 68 MB for
+  Llama-3.1-8B), taken before the KV cache is sized.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .kernels.allreduce import fill_sentinel, two_rank_all_reduce
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def custom_all_reduce_enabled() -> bool:
+    """``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1; module docstring)."""
+    return os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE", "1") not in ("0", "false", "False", "no", "")
+
+
+def custom_all_reduce_max_tokens() -> int:
+    """``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` (default 64). Raises ``ValueError`` unless it is a
+    positive integer."""
+    raw = os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", str(DEFAULT_MAX_TOKENS))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS must be a positive integer, got {raw!r}")
+    return value
+
+
+class CustomAllReduce:
+    """Receive buffers of one rank of a two-rank group and the switch between them and NCCL.
+
+    recv: ``[num_sites, site_numel]`` float32, this rank's receive buffers (symmetric memory).
+    peer_recv: the same shape, the peer's buffers mapped into this process.
+    """
+
+    def __init__(self, recv: torch.Tensor, peer_recv: torch.Tensor) -> None:
+        self.recv = recv
+        self.peer_recv = peer_recv
+        self.num_sites, self.site_numel = recv.shape
+        self.calls = 0  # kernels launched (captured launches count once); tests read it
+
+    def fits(self, x: torch.Tensor, site: int) -> bool:
+        """True when the one-shot kernel takes ``x`` at ``site``: on CUDA, contiguous, at most
+        ``site_numel`` elements, and a site this object has a buffer for. Every rank decides alike."""
+        return (x.is_cuda and x.is_contiguous() and 0 < x.numel() <= self.site_numel
+                and 0 <= site < self.num_sites)
+
+    def all_reduce(self, x: torch.Tensor, site: int) -> torch.Tensor:
+        """Sum ``x`` over the two ranks in place (`two_rank_all_reduce`); returns ``x``."""
+        self.calls += 1
+        return two_rank_all_reduce(x, self.recv[site], self.peer_recv[site])
+
+    @classmethod
+    def create(cls, group, tp_rank: int, tp_size: int, device: torch.device, num_sites: int,
+               hidden_size: int) -> Optional["CustomAllReduce"]:
+        """Collective over ``group`` (every rank calls it, in the same order as its other
+        collectives): the buffers of ``num_sites`` call sites of up to
+        `custom_all_reduce_max_tokens` x ``hidden_size`` elements, or None where any rank cannot
+        (module docstring). Raises ``ValueError`` for a bad ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``.
+        """
+        device = torch.device(device)
+        if tp_size != 2 or device.type != "cuda" or not custom_all_reduce_enabled():
+            return None
+        numel = custom_all_reduce_max_tokens() * hidden_size
+        local, reason = None, ""
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            local = symm_mem.empty(num_sites * numel, dtype=torch.float32, device=device)
+            fill_sentinel(local)
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # noqa: BLE001 - any failure keeps NCCL, on every rank
+            reason = f"{type(exc).__name__}: {exc}"
+        agree = torch.tensor([0 if local is None else 1], dtype=torch.int64, device=device)
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+        if not int(agree.item()):
+            logger.warning("tp rank %d: one-shot all-reduce unavailable (%s); NCCL sums every all-reduce",
+                           tp_rank, reason or "another rank could not set it up")
+            return None
+        handle = symm_mem.rendezvous(local, group)
+        peer = handle.get_buffer(1 - tp_rank, (num_sites * numel,), torch.float32)
+        logger.info("tp rank %d: one-shot all-reduce for up to %d elements at %d sites (%.1f MB)", tp_rank,
+                    numel, num_sites, local.numel() * 4 / 1e6)
+        car = cls(local.view(num_sites, numel), peer.view(num_sites, numel))
+        car._handle = handle  # keeps the mapping alive
+        return car

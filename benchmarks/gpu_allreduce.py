@@ -11,7 +11,7 @@ copy in; ``kvpilot`` runs its kernel at 64 distinct call sites, as the engine do
 checked against the exact sum. Prints microseconds per all-reduce (copy included; the copy alone is
 its own column).
 
-    python3 benchmarks/gpu_allreduce.py [--world 2]
+    python3 benchmarks/gpu_allreduce.py [--world 2] [--block-sweep]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _graph_time_us(fn, reps_inside: int) -> float:
     return start.elapsed_time(end) * 1e3 / iters / reps_inside
 
 
-def _worker(rank: int, world: int, port: int, out) -> None:
+def _worker(rank: int, world: int, port: int, out, sweep: bool = False) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
@@ -98,8 +98,28 @@ def _worker(rank: int, world: int, port: int, out) -> None:
             ok = name == "copy" or all(torch.equal(w, x) for w, x in zip(work, want))
             res[name] = (us, ok)
         rows.append((n, res))
+    sweep_rows = []
+    if sweep and car is not None:
+        # programs of BLOCK elements each (kernels/allreduce.py): fewer, larger blocks or more, smaller ones
+        from kvpilot.kernels import allreduce as A
+
+        default_block = A.BLOCK
+        for n in (4096, 65536, 262144):
+            base = [torch.randint(-8, 8, (n,), device=dev, generator=torch.Generator(dev).manual_seed(i + rank))
+                    .to(torch.bfloat16) for i in range(REPS)]
+            work = [b.clone() for b in base]
+            for block in (256, 512, 1024, 2048, 4096):
+                A.BLOCK = block
+
+                def fn(work=work, base=base):
+                    for i, t in enumerate(work):
+                        t.copy_(base[i])
+                        car.all_reduce(t, i)
+
+                sweep_rows.append((n, block, _graph_time_us(fn, REPS)))
+        A.BLOCK = default_block
     if rank == 0:
-        out.put(rows)
+        out.put((rows, sweep_rows))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -107,6 +127,7 @@ def _worker(rank: int, world: int, port: int, out) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--block-sweep", action="store_true", help="also time kvpilot's kernel at several block sizes")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.world:
         sys.exit(f"needs {a.world} GPUs, found {torch.cuda.device_count()}")
@@ -115,10 +136,10 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, a.world, port, q)) for r in range(a.world)]
+    procs = [ctx.Process(target=_worker, args=(r, a.world, port, q, a.block_sweep)) for r in range(a.world)]
     for p in procs:
         p.start()
-    rows = q.get(timeout=300)
+    rows, sweep_rows = q.get(timeout=300)
     for p in procs:
         p.join(60)
     names = ["nccl", "symm_one_shot", "kvpilot"]
@@ -131,6 +152,10 @@ def main() -> None:
         bad |= not ok
         cells = " | ".join(f"{res[k][0]:.1f}" if k in res else "n/a" for k in ["copy"] + names)
         print(f"| {n} | {2 * n} | {cells} | {ok} |")
+    if sweep_rows:
+        print("\n| elements | elements per program | kvpilot one-shot us (incl. a copy) |\n|---:|---:|---:|")
+        for n, block, us in sweep_rows:
+            print(f"| {n} | {block} | {us:.1f} |")
     if bad or any(p.exitcode for p in procs):
         sys.exit(1)
 

@@ -16,9 +16,11 @@ every rank can: CUDA, exactly two ranks in the group, symmetric memory available
 Switches (read once, at set-up):
 
 - ``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1): 0 keeps NCCL for every all-reduce.
-- ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` (default 64): the largest all-reduce (in tokens of
-  ``hidden_size`` elements) the one-shot kernel takes; larger ones (prefill) use NCCL. Memory:
-  ``sites * max_tokens * hidden_size * 4`` bytes per GPU (65 sites x 64 x 4096 x 4 = 68 MB for
+- ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``: the largest all-reduce (in tokens of
+  ``hidden_size`` elements) the one-shot kernel takes; larger ones (prefill) use NCCL. Default: 256
+  tokens (on two H200s the one-shot kernel beat NCCL at every size up to 256 tokens of Llama-3.1-8B,
+  BENCHMARKS.md tenth session), fewer where the buffers would pass 512 MB. Memory:
+  ``sites * max_tokens * hidden_size * 4`` bytes per GPU (65 sites x 256 x 4096 x 4 = 273 MB for
   Llama-3.1-8B), taken before the KV cache is sized.
 """
 
@@ -35,7 +37,8 @@ from .kernels.allreduce import fill_sentinel, two_rank_all_reduce
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 64
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_BYTES = 512 << 20
 
 
 def custom_all_reduce_enabled() -> bool:
@@ -43,10 +46,13 @@ def custom_all_reduce_enabled() -> bool:
     return os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE", "1") not in ("0", "false", "False", "no", "")
 
 
-def custom_all_reduce_max_tokens() -> int:
-    """``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` (default 64). Raises ``ValueError`` unless it is a
-    positive integer."""
-    raw = os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", str(DEFAULT_MAX_TOKENS))
+def custom_all_reduce_max_tokens(num_sites: int = 1, hidden_size: int = 1) -> int:
+    """``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``, or by default `DEFAULT_MAX_TOKENS` capped so that
+    ``num_sites`` float32 buffers of ``hidden_size``-element tokens stay within `DEFAULT_MAX_BYTES`
+    (at least 1). Raises ``ValueError`` unless the variable is a positive integer."""
+    raw = os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS")
+    if raw is None:
+        return max(1, min(DEFAULT_MAX_TOKENS, DEFAULT_MAX_BYTES // (4 * max(1, num_sites * hidden_size))))
     try:
         value = int(raw)
     except ValueError:
@@ -91,7 +97,7 @@ class CustomAllReduce:
         device = torch.device(device)
         if tp_size != 2 or device.type != "cuda" or not custom_all_reduce_enabled():
             return None
-        numel = custom_all_reduce_max_tokens() * hidden_size
+        numel = custom_all_reduce_max_tokens(num_sites, hidden_size) * hidden_size
         local, reason = None, ""
         try:
             import torch.distributed._symmetric_memory as symm_mem

@@ -48,6 +48,7 @@ from typing import Mapping, Optional
 import torch
 
 from .config import KvCacheConfig, ModelConfig
+from .custom_all_reduce import custom_all_reduce_enabled, custom_all_reduce_max_tokens
 from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
                               MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer,
                               WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers, step_timing_enabled,
@@ -157,7 +158,8 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
     """The `WorkerSpec` every rank gets; on one node the rendezvous is a free localhost port.
 
     Raises:
-        ValueError: a layout the model or the LWS group cannot take, or too few GPUs.
+        ValueError: a layout the model or the LWS group cannot take, too few GPUs, or a bad
+            ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``.
     """
     validate_layout(cfg, tp, pp)
     dev = _resolve_device(device)
@@ -170,6 +172,8 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
         per_node, init = world, f"tcp://127.0.0.1:{_free_port()}"
     if dev == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(f"{per_node} ranks on this node need {per_node} GPUs; {torch.cuda.device_count()} visible")
+    if tp == 2 and dev == "cuda" and custom_all_reduce_enabled():
+        custom_all_reduce_max_tokens()  # a bad KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS: ValueError here, not in a worker
     return WorkerSpec(
         model_dir=str(model_dir), cfg=cfg, kv_config=kv_config, max_num_tokens=max_num_tokens,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=dev, dtype=dtype, tp_size=tp,
@@ -242,7 +246,7 @@ class MultiprocExecutor:
         else:
             self._plan_conns = list(self._conns)
             self._out_conn = self._conns[output_rank]
-        blocks = {}
+        blocks, one_shot = {}, []
         self._logits_buf: Optional[torch.Tensor] = None
         self._tok_buf: Optional[torch.Tensor] = None  # the output rank's sampled-ids buffer (CUDA IPC)
         self._logits_events: list = []  # the output rank's interprocess events, one per slot (LOGITS_EVENT)
@@ -261,12 +265,15 @@ class MultiprocExecutor:
                 if msg[0] != MSG_READY:
                     self._die(f"unexpected message from a starting worker: {msg[0]!r}")
                 blocks[self._conns.index(conn)] = msg[1]
+                one_shot.append(bool(msg[3].get("one_shot_all_reduce")))
                 if msg[2] is not None:
                     self._open_logits_buffer(msg[2])
         except BaseException:
             self.shutdown()
             raise
         self.num_blocks = min(blocks.values())
+        # Every rank's tensor-parallel all-reduces may use the one-shot kernel (engine/custom_all_reduce.py).
+        self.one_shot_all_reduce = bool(one_shot) and all(one_shot)
         # Asynchronous steps (`tp_async_enabled`; `execute`'s docstring).
         self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node
                               and (self.logits_mode == LOGITS_EVENT and self._tok_buf is not None

@@ -266,6 +266,12 @@ def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
     return out
 
 
+def all_reduce_sites(layer_range: tuple[int, int]) -> int:
+    """All-reduce call sites a stage of ``layer_range`` may have (`ParallelContext.new_site`): one per
+    row-parallel layer (``o_proj``, ``down_proj``), plus the vocabulary-parallel embedding's."""
+    return 2 * (layer_range[1] - layer_range[0]) + 1
+
+
 def split_microbatches(plan: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
     """Cut ``plan`` into at most ``parts`` contiguous, non-empty runs of sequences with balanced token counts.
 
@@ -444,11 +450,9 @@ class Worker:
         pc = ParallelContext(self.tp_rank, spec.tp_size, tp_group)
         layer_range = stage_layers(spec.cfg.num_hidden_layers, spec.pp_size)[self.pp_rank]
         if on_gpu and spec.tp_size == 2 and spec.ranks_per_node % spec.tp_size == 0:
-            # Before the model (its layers take site numbers) and before the KV cache is sized. One
-            # site per row-parallel layer, plus the embedding's.
-            sites = 2 * (layer_range[1] - layer_range[0]) + 1
+            # Before the model (its layers take site numbers) and before the KV cache is sized.
             pc.custom_all_reduce = CustomAllReduce.create(tp_group, self.tp_rank, spec.tp_size, self.device,
-                                                          sites, spec.cfg.hidden_size)
+                                                          all_reduce_sites(layer_range), spec.cfg.hidden_size)
         self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
                                   spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
                                   pc=pc, layer_range=layer_range)
@@ -682,8 +686,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     """Process entry point of one rank: build the shard, then serve steps until told to stop.
 
     Protocol on ``conn`` (a `multiprocessing` pipe end): the worker sends ``("ready", num_blocks,
-    ipc)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
-    None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``);
+    ipc, info)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
+    None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``;
+    ``info``: ``{"one_shot_all_reduce": bool}``, whether its tensor-parallel all-reduces may use the
+    one-shot kernel, `engine.custom_all_reduce`);
     the front end sends pickled ``("step", encoded plan, logits mode, sync, (slot, argmax))``
     (`PlanEncoder`; `LOGITS_PIPE`, `LOGITS_SYNC` or `LOGITS_EVENT`; ``sync``: None or an asynchronous
     step's `InputSync` fields; ``slot``: the half of the shared logits buffer; ``argmax``: an arg-max
@@ -714,7 +720,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                     except Exception:  # noqa: BLE001 - answer after a sync instead
                         logger.warning("cannot share the logits event; answering after a sync", exc_info=True)
                         worker.logits_events = []
-            conn.send((MSG_READY, worker.num_blocks, ipc))
+            info = {"one_shot_all_reduce": worker.runner.model.pc.custom_all_reduce is not None}
+            conn.send((MSG_READY, worker.num_blocks, ipc, info))
         _serve(worker, conn)
     except StopRequested:
         pass  # stopped while waiting for a step's sampled ids: a normal stop

@@ -20,11 +20,19 @@ write crosses per element and no round trip is waited for.
 Buffer reuse: every call site of a model (embedding, each layer's ``o_proj`` and ``down_proj``)
 has its own receive buffer, used once per forward pass. A peer can only write site ``s`` again
 after this rank has pushed its data for a later site, i.e. after the kernel that reset site ``s``
-has finished (stream order), so one buffer per site is enough and no rotation is needed.
+has finished (stream order), so one buffer per site is enough and no rotation is needed. The
+argument holds because (a) both ranks make the same sequence of calls (`ParallelContext.all_reduce`
+routes by the tensor's size alone, and every forward pass uses all of a model's sites, at least two,
+in the same order: with one site used twice in a row a peer could write it before this rank's reset);
+(b) every kernel launched with PDL between two calls waits for its predecessor before it finishes
+(kernels/pdl.py's rule), so "finished" is transitive along the stream. A grid larger than what a GPU
+holds at once (about 2,100 programs of 4 warps on an H200; `block_size` keeps grids at 1,024
+programs up to 1,048,576 elements) relies on both GPUs starting programs roughly in index order,
+since program ``i`` waits for the peer's program ``i``.
 
 Both ranks compute ``x_0 + x_1`` in float32 and round once; addition is commutative, so the two
 ranks' results are bit-identical and equal NCCL's two-rank bf16 sum (which also adds in float32
-and rounds once).
+and rounds once), except that two -0.0 partials sum to +0.0 here (-0.0 marks an empty element).
 """
 
 from __future__ import annotations
@@ -41,8 +49,17 @@ SENTINEL_BITS = -(2 ** 31)
 """int32 bits of the empty-element marker, float32 -0.0."""
 _SENTINEL = tl.constexpr(SENTINEL_BITS)
 
-BLOCK = 1024
-"""Elements per program: one program per 4 KB of float32 receive buffer."""
+MIN_BLOCK, MAX_PROGRAMS = 256, 1024
+BLOCK: Optional[int] = None
+"""Elements per program; None (the default): `block_size`. Benchmarks set it to sweep."""
+
+
+def block_size(n: int) -> int:
+    """Elements per program for an all-reduce of ``n`` elements: 256, or more where 256 would need
+    more than 1,024 programs (a power of two). On two H200s 256 was fastest at 8 KB to 512 KB of
+    bf16 (3.2 against 3.4 us at 1024 for 8 KB; ``benchmarks/gpu_allreduce.py --block-sweep``,
+    BENCHMARKS.md tenth session), and 1,024 programs stay resident on one GPU at once."""
+    return max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(n, MAX_PROGRAMS)))
 
 
 @triton.jit
@@ -103,8 +120,9 @@ def two_rank_all_reduce(x: torch.Tensor, recv: torch.Tensor, peer_recv: torch.Te
         return out
     rows = x.shape[0] if x.dim() > 1 else 1
     pdl = pdl_mode(x.device, rows)
-    _two_rank_all_reduce_kernel[(triton.cdiv(n, BLOCK),)](
-        x, out, recv, peer_recv, n, BLOCK_N=BLOCK, USE_PDL=pdl > 0, num_warps=4, **launch_options(pdl))
+    block = BLOCK or block_size(n)
+    _two_rank_all_reduce_kernel[(triton.cdiv(n, block),)](
+        x, out, recv, peer_recv, n, BLOCK_N=block, USE_PDL=pdl > 0, num_warps=4, **launch_options(pdl))
     return out
 
 

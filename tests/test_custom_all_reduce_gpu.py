@@ -115,6 +115,7 @@ def _generate(model_dir, monkeypatch, custom: str):  # noqa: F811
     out = []
     with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, device="cuda",
              max_batch_size=16, max_seq_len=1024, kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.3)) as llm:
+        out.append(llm._executor.one_shot_all_reduce)  # the path really taken, on every rank
         for p in prompts:
             o = llm.generate(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
                              use_tqdm=False).outputs[0]
@@ -126,4 +127,6 @@ def _generate(model_dir, monkeypatch, custom: str):  # noqa: F811
 
 
 def test_engine_tp2_one_shot_equals_nccl(model_dir, monkeypatch):  # noqa: F811
-    assert _generate(model_dir, monkeypatch, "1") == _generate(model_dir, monkeypatch, "0")
+    one_shot, nccl = _generate(model_dir, monkeypatch, "1"), _generate(model_dir, monkeypatch, "0")
+    assert one_shot[0] is True and nccl[0] is False
+    assert one_shot[1:] == nccl[1:]

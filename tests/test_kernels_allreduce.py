@@ -68,6 +68,15 @@ def test_out_argument_and_empty_input():
     assert A.two_rank_all_reduce(empty, recv, peer_recv) is empty
 
 
+def test_block_size_keeps_grids_small():
+    assert A.block_size(4096) == 256 and A.block_size(1) == 256
+    assert A.block_size(256 * 1024) == 256 and A.block_size(256 * 1024 + 1) == 512
+    assert A.block_size(1 << 20) == 1024
+    for n in (1, 4096, 300_000, 1 << 20, 3 << 20):
+        b = A.block_size(n)
+        assert b & (b - 1) == 0 and -(-n // b) <= max(A.MAX_PROGRAMS, -(-n // 4096))
+
+
 def test_bad_arguments_raise():
     x = torch.ones(4, 8)
     ok = A.empty_receive_buffer(32, "cpu")
@@ -130,6 +139,7 @@ def test_two_processes_run_the_protocol():
 def test_every_row_parallel_site_has_its_own_number():
     from kvpilot.config import ModelConfig
     from kvpilot.llama import LlamaForCausalLM, ParallelContext
+    from kvpilot.parallel_worker import all_reduce_sites
 
     for layer_range, tie in (((0, 3), False), ((1, 3), True), ((1, 3), False)):
         cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -143,7 +153,7 @@ def test_every_row_parallel_site_has_its_own_number():
         assert sorted(sites) == list(range(pc.num_sites))
         layers = layer_range[1] - layer_range[0]
         assert pc.num_sites == 2 * layers + (1 if model.embed_tokens is not None else 0)
-        assert pc.num_sites <= 2 * layers + 1  # the worker's buffer count (engine/parallel_worker.py)
+        assert pc.num_sites <= all_reduce_sites(layer_range)  # the worker's buffer count
 
 
 class _FakeOneShot:

@@ -84,9 +84,9 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
         res["greedy"] = [o.outputs[0].token_ids for o in outs]
         res["top2"] = [[[[t, lp.logprob] for t, lp in step.items()] for step in o.outputs[0].logprobs] for o in outs]
 
-        def timed(n: int) -> float:
+        def timed(n: int, **kw) -> float:
             t = time.perf_counter()
-            llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            llm.generate(prompts[0], SamplingParams(max_tokens=n, ignore_eos=True, **(kw or {"temperature": 0})))
             return time.perf_counter() - t
 
         timed(a.itl_tokens + 1)  # warm-up
@@ -98,6 +98,11 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
         res["itl_ms_all"] = [round(x * 1e3, 3) for x in itl]
         if timing is not None:
             res["timing"] = timing()
+        if a.sampled:  # the front end's sampler every step (top-p, seeded): SYNC_GO at TP
+            kw = {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+            sampled = [(timed(a.itl_tokens + 1, **kw) - timed(1, **kw)) / a.itl_tokens for _ in range(3)]
+            res["itl_sampled_ms"] = statistics.median(sampled) * 1e3
+            res["itl_sampled_ms_all"] = [round(x * 1e3, 3) for x in sampled]
     finally:
         llm.shutdown()
     return res
@@ -111,6 +116,8 @@ def main() -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--layouts", default=DEFAULT_LAYOUTS)
     p.add_argument("--greedy-len", type=int, default=32)
+    p.add_argument("--sampled", action="store_true",
+                   help="also time batch-1 ITL of a sampled request (temperature 0.8, top-p 0.9, seeded)")
     p.add_argument("--itl-tokens", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=8, help="few graphs to capture: batch 1 is measured")
@@ -171,10 +178,13 @@ def main() -> int:
             print(format_step_timing(res["timing"]), flush=True)
         (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
     base = results[0].get("itl_ms")
-    print("\nlayout                                         ITL ms   vs first")
+    print("\nlayout                                         ITL ms   vs first   sampled ITL ms")
     for r in results:
         if "itl_ms" in r:
-            print(f"{r['layout']:<46} {r['itl_ms']:>7.3f}   {r['itl_ms'] / base:>6.2f}x" if base else r["layout"])
+            sampled = (f"   {r['itl_sampled_ms']:>7.3f} (runs {r['itl_sampled_ms_all']})"
+                       if "itl_sampled_ms" in r else "")
+            print(f"{r['layout']:<46} {r['itl_ms']:>7.3f}   {r['itl_ms'] / base:>6.3f}x{sampled}" if base
+                  else r["layout"])
     print(f"total {time.perf_counter() - t_start:.0f} s; {'OK' if ok else 'MISMATCH (see above)'}")
     return 0 if ok else 1
 

@@ -100,9 +100,14 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
             res["timing"] = timing()
         if a.sampled:  # the front end's sampler every step (top-p, seeded): SYNC_GO at TP
             kw = {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+            if timing is not None:
+                timing(reset=True)
             sampled = [(timed(a.itl_tokens + 1, **kw) - timed(1, **kw)) / a.itl_tokens for _ in range(3)]
             res["itl_sampled_ms"] = statistics.median(sampled) * 1e3
             res["itl_sampled_ms_all"] = [round(x * 1e3, 3) for x in sampled]
+            if timing is not None:
+                res["timing_sampled"] = timing()
+            res["sampler_exact_rows"] = getattr(getattr(llm._core, "sampler", None), "exact_rows", None)
     finally:
         llm.shutdown()
     return res
@@ -176,6 +181,9 @@ def main() -> int:
               + ("  NO STAGE GRAPH REPLAYED" if no_graphs else ""), flush=True)
         if res.get("timing"):
             print(format_step_timing(res["timing"]), flush=True)
+        if res.get("timing_sampled"):
+            print(f"sampled requests (exact-path rows {res.get('sampler_exact_rows')}):\n"
+                  + format_step_timing(res["timing_sampled"]), flush=True)
         (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
     base = results[0].get("itl_ms")
     print("\nlayout                                         ITL ms   vs first   sampled ITL ms")

@@ -11,6 +11,9 @@ eager stages: ``KVPILOT_PP_CUDA_GRAPHS=0``), one `LLM` in turn on the random mod
 - with ``KVPILOT_STEP_TIMING=1`` (set here for every layout), the per-phase table of
   `MultiprocExecutor.step_timing` over exactly those ITL runs (front end: send / wait_answer /
   logits / host_between_steps; each rank: idle / recv / prepare_launch / answer / GPU completion).
+- with ``--sampled``, the same ITL of a sampled request (temperature 0.8, top-p 0.9, seed 1: the front
+  end's sampler runs every step) after a sampled warm-up, with its own step table, the rows that
+  fell back to the exact draw, and whether every seeded run drew the same tokens (information).
 
 A layout is ``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` (environment for that layout only); e.g.
 ``2x1:KVPILOT_LOGITS_EVENT=0;KVPILOT_PIPE_SPIN_US=0`` is the old answer path (the output worker
@@ -84,10 +87,16 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
         res["greedy"] = [o.outputs[0].token_ids for o in outs]
         res["top2"] = [[[[t, lp.logprob] for t, lp in step.items()] for step in o.outputs[0].logprobs] for o in outs]
 
+        sampled_tokens: list = []  # token ids of each sampled request (seeded: the same every run)
+
         def timed(n: int, **kw) -> float:
             t = time.perf_counter()
-            llm.generate(prompts[0], SamplingParams(max_tokens=n, ignore_eos=True, **(kw or {"temperature": 0})))
-            return time.perf_counter() - t
+            out = llm.generate(prompts[0], SamplingParams(max_tokens=n, ignore_eos=True,
+                                                          **(kw or {"temperature": 0})))
+            elapsed = time.perf_counter() - t
+            if kw:
+                sampled_tokens.append(list(out.outputs[0].token_ids))
+            return elapsed
 
         timed(a.itl_tokens + 1)  # warm-up
         timing = getattr(llm._executor, "step_timing", None)
@@ -100,6 +109,11 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
             res["timing"] = timing()
         if a.sampled:  # the front end's sampler every step (top-p, seeded): SYNC_GO at TP
             kw = {"temperature": 0.8, "top_p": 0.9, "seed": 1}
+            # Warm-up: the sampling kernels (top-p) are compiled on their first call, which the greedy
+            # warm-up never makes; it would otherwise land in the first timed run and the step table.
+            timed(a.itl_tokens + 1, **kw)
+            sampler = getattr(llm._core, "sampler", None)
+            exact0 = getattr(sampler, "exact_rows", None)
             if timing is not None:
                 timing(reset=True)
             sampled = [(timed(a.itl_tokens + 1, **kw) - timed(1, **kw)) / a.itl_tokens for _ in range(3)]
@@ -107,7 +121,12 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
             res["itl_sampled_ms_all"] = [round(x * 1e3, 3) for x in sampled]
             if timing is not None:
                 res["timing_sampled"] = timing()
-            res["sampler_exact_rows"] = getattr(getattr(llm._core, "sampler", None), "exact_rows", None)
+            # Rows of the timed sampled requests that fell back to the exact draw (not the whole run's).
+            res["sampler_exact_rows"] = None if exact0 is None else sampler.exact_rows - exact0
+            # Seeded: every run draws the same tokens (a 1-token run, the first of them); information
+            # only, since a last-bit difference in the logits may flip a draw at a near-tie.
+            first = sampled_tokens[0]
+            res["sampled_repeatable"] = all(t == first[:len(t)] for t in sampled_tokens)
     finally:
         llm.shutdown()
     return res
@@ -182,15 +201,16 @@ def main() -> int:
         if res.get("timing"):
             print(format_step_timing(res["timing"]), flush=True)
         if res.get("timing_sampled"):
-            print(f"sampled requests (exact-path rows {res.get('sampler_exact_rows')}):\n"
-                  + format_step_timing(res["timing_sampled"]), flush=True)
+            print(f"sampled requests (exact-path rows {res.get('sampler_exact_rows')}, same tokens every run: "
+                  f"{res.get('sampled_repeatable')}):\n" + format_step_timing(res["timing_sampled"]), flush=True)
         (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
     base = results[0].get("itl_ms")
-    print("\nlayout                                         ITL ms   vs first   sampled ITL ms")
+    base_sampled = results[0].get("itl_sampled_ms")
+    print("\nlayout                                         ITL ms   vs first   sampled ITL ms  vs first")
     for r in results:
         if "itl_ms" in r:
-            sampled = (f"   {r['itl_sampled_ms']:>7.3f} (runs {r['itl_sampled_ms_all']})"
-                       if "itl_sampled_ms" in r else "")
+            sampled = (f"   {r['itl_sampled_ms']:>7.3f}  {r['itl_sampled_ms'] / base_sampled:>6.3f}x"
+                       f" (runs {r['itl_sampled_ms_all']})" if "itl_sampled_ms" in r and base_sampled else "")
             print(f"{r['layout']:<46} {r['itl_ms']:>7.3f}   {r['itl_ms'] / base:>6.3f}x{sampled}" if base
                   else r["layout"])
     print(f"total {time.perf_counter() - t_start:.0f} s; {'OK' if ok else 'MISMATCH (see above)'}")

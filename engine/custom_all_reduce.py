@@ -70,7 +70,8 @@ def custom_all_reduce_max_tokens(num_sites: int = 1, hidden_size: int = 1) -> in
     except ValueError:
         value = 0
     if value < 1:
-        raise ValueError(f"KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS must be a positive integer, got {raw!r}")
+        raise ValueError(f"KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS must be a positive integer, got {raw!r} "
+                         "(unset it for the default; KVPILOT_TP_CUSTOM_ALLREDUCE=0 turns the kernel off)")
     return value
 
 

@@ -159,7 +159,8 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
 
     Raises:
         ValueError: a layout the model or the LWS group cannot take, too few GPUs, or a bad
-            ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``.
+            ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` where the one-shot all-reduce would read it (TP 2
+            on CUDA, not ROCm, a whole TP group on each node, ``KVPILOT_TP_CUSTOM_ALLREDUCE`` not 0).
     """
     validate_layout(cfg, tp, pp)
     dev = _resolve_device(device)
@@ -172,8 +173,10 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
         per_node, init = world, f"tcp://127.0.0.1:{_free_port()}"
     if dev == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(f"{per_node} ranks on this node need {per_node} GPUs; {torch.cuda.device_count()} visible")
-    if tp == 2 and dev == "cuda" and custom_all_reduce_enabled():
-        custom_all_reduce_max_tokens()  # a bad KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS: ValueError here, not in a worker
+    if tp == 2 and dev == "cuda" and per_node % tp == 0 and torch.version.hip is None and custom_all_reduce_enabled():
+        # Where a worker would read it (`Worker`, `CustomAllReduce.create`): a bad value raises here,
+        # before any process starts, not in a worker.
+        custom_all_reduce_max_tokens()
     return WorkerSpec(
         model_dir=str(model_dir), cfg=cfg, kv_config=kv_config, max_num_tokens=max_num_tokens,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=dev, dtype=dtype, tp_size=tp,
@@ -272,7 +275,8 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self.num_blocks = min(blocks.values())
-        # Every rank's tensor-parallel all-reduces may use the one-shot kernel (engine/custom_all_reduce.py).
+        # Every rank's tensor-parallel all-reduces, on every node, may use the one-shot kernel
+        # (engine/custom_all_reduce.py; the workers agree on it, `parallel_worker.one_shot_everywhere`).
         self.one_shot_all_reduce = bool(one_shot) and all(one_shot)
         # Asynchronous steps (`tp_async_enabled`; `execute`'s docstring).
         self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node

@@ -267,9 +267,22 @@ def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
 
 
 def all_reduce_sites(layer_range: tuple[int, int]) -> int:
-    """All-reduce call sites a stage of ``layer_range`` may have (`ParallelContext.new_site`): one per
-    row-parallel layer (``o_proj``, ``down_proj``), plus the vocabulary-parallel embedding's."""
+    """All-reduce call sites a stage of ``layer_range`` (``(start, end)`` layer indices) may have
+    (`ParallelContext.new_site`): one per row-parallel layer (``o_proj``, ``down_proj``), plus the
+    vocabulary-parallel embedding's (counted on every stage: a later stage with tied embeddings
+    holds one as its LM head, whose site is never reduced)."""
     return 2 * (layer_range[1] - layer_range[0]) + 1
+
+
+def one_shot_everywhere(worker: Worker) -> bool:
+    """Whether every rank of the world, on every node, may sum its tensor-parallel all-reduces with
+    the one-shot kernel (`engine.custom_all_reduce`): collective over the default group (every rank
+    calls it once, after `Worker` is built). A node's front end hears only its own node's ranks, so a
+    rank's own flag would not tell it about the stages on other pods of a LeaderWorkerSet group."""
+    mine = worker.runner.model.pc.custom_all_reduce is not None
+    flag = torch.tensor([int(mine)], dtype=torch.int64, device=worker.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def split_microbatches(plan: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
@@ -688,8 +701,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     Protocol on ``conn`` (a `multiprocessing` pipe end): the worker sends ``("ready", num_blocks,
     ipc, info)`` once loaded (``ipc``: the output rank's shared CUDA logits buffer, reduced for pickling, or
     None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``;
-    ``info``: ``{"one_shot_all_reduce": bool}``, whether its tensor-parallel all-reduces may use the
-    one-shot kernel, `engine.custom_all_reduce`);
+    ``info``: ``{"one_shot_all_reduce": bool}``, whether every rank's tensor-parallel all-reduces, on
+    every node, may use the one-shot kernel: `one_shot_everywhere`, which every rank joins);
     the front end sends pickled ``("step", encoded plan, logits mode, sync, (slot, argmax))``
     (`PlanEncoder`; `LOGITS_PIPE`, `LOGITS_SYNC` or `LOGITS_EVENT`; ``sync``: None or an asynchronous
     step's `InputSync` fields; ``slot``: the half of the shared logits buffer; ``argmax``: an arg-max
@@ -707,6 +720,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     worker = None
     try:
         worker = Worker(rank, spec)
+        one_shot = one_shot_everywhere(worker)  # collective: ranks without a pipe (other pods) join too
         if conn is not None:
             ipc = None
             if worker.logits_buf is not None:
@@ -720,8 +734,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                     except Exception:  # noqa: BLE001 - answer after a sync instead
                         logger.warning("cannot share the logits event; answering after a sync", exc_info=True)
                         worker.logits_events = []
-            info = {"one_shot_all_reduce": worker.runner.model.pc.custom_all_reduce is not None}
-            conn.send((MSG_READY, worker.num_blocks, ipc, info))
+            conn.send((MSG_READY, worker.num_blocks, ipc, {"one_shot_all_reduce": one_shot}))
         _serve(worker, conn)
     except StopRequested:
         pass  # stopped while waiting for a step's sampled ids: a normal stop

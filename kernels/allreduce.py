@@ -26,9 +26,9 @@ routes by the tensor's size alone, and every forward pass uses all of a model's 
 in the same order: with one site used twice in a row a peer could write it before this rank's reset);
 (b) every kernel launched with PDL between two calls waits for its predecessor before it finishes
 (kernels/pdl.py's rule), so "finished" is transitive along the stream. A grid larger than what a GPU
-holds at once (about 2,100 programs of 4 warps on an H200; `block_size` keeps grids at 1,024
-programs up to 1,048,576 elements) relies on both GPUs starting programs roughly in index order,
-since program ``i`` waits for the peer's program ``i``.
+holds at once (about 2,100 programs of 4 warps on an H200; `block_size` keeps every grid at
+1,024 programs at most, which GPUs with fewer SMs may not hold at once) relies on both GPUs
+starting programs roughly in index order, since program ``i`` waits for the peer's program ``i``.
 
 Both ranks compute ``x_0 + x_1`` in float32 and round once; addition is commutative, so the two
 ranks' results are bit-identical and equal NCCL's two-rank bf16 sum (which also adds in float32

@@ -255,6 +255,8 @@ def cases() -> list[tuple[str, object]]:
     out.append(("tp=8 rotary+kv write bf16, 1 token", ck._rotary_write(tp8, 1, bf16)))
     for t in (1, 8, 16):
         out.append((f"rms_norm, {t} tokens", ck._pointwise(one, t)))
+    for t in (1, 16):  # tensor parallelism 2's one-shot all-reduce (kernels/allreduce.py)
+        out.append((f"two-rank all-reduce bf16, {t} tokens", ck._all_reduce(t, bf16)))
     return out
 
 

@@ -82,8 +82,9 @@ def test_pdl_kernels_touch_no_global_memory_before_griddepcontrol_wait(tmp_path)
     assert "FAIL" not in out and "PDL order: ok" in out, out[-4000:]
     checked = [line for line in out.splitlines() if line.startswith("ok ")]
     kernels = {line.split()[1] for line in checked}
-    assert kernels == {"attention._decode_kernel", "attention._reduce_kernel", "gemv._gemv_kernel",
-                       "kv_cache._rotary_write_kv_kernel", "pointwise._rms_norm_kernel"}, kernels
+    assert kernels == {"allreduce._two_rank_all_reduce_kernel", "attention._decode_kernel",
+                       "attention._reduce_kernel", "gemv._gemv_kernel", "kv_cache._rotary_write_kv_kernel",
+                       "pointwise._rms_norm_kernel"}, kernels
     # The pipelined tl.dot GEMV (M = 8: BLOCK_M=16, 3 stages of cp.async) is among them, and the
     # attention kernel with and without context splits and with the FP8 cache.
     assert any("gemv._gemv_kernel" in line and "USE_DOT=True" in line and "stages=3" in line for line in checked)
@@ -149,7 +150,7 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
             assert not [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits], (fname, name, called)
             assert name in launches, f"{fname}: {name} takes USE_PDL but is never launched with launch_options"
     assert sorted(set(launches)) == ["_decode_kernel", "_gemv_kernel", "_reduce_kernel", "_rms_norm_kernel",
-                                     "_rotary_write_kv_kernel"]
+                                     "_rotary_write_kv_kernel", "_two_rank_all_reduce_kernel"]
 
 
 # ---- findings -------------------------------------------------------------------------------------

@@ -154,7 +154,8 @@ def test_bad_max_tokens_is_ignored_on_rocm(bad_max_tokens, monkeypatch):
 # ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
 
 def _load_profile():
-    spec = importlib.util.spec_from_file_location("gpu_tp_profile_under_test", ROOT / "benchmarks" / "gpu_tp_profile.py")
+    spec = importlib.util.spec_from_file_location("gpu_tp_profile_under_test",
+                                                  ROOT / "benchmarks" / "gpu_tp_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

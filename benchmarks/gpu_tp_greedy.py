@@ -25,13 +25,22 @@ first layout; the chosen tokens' logprobs over the common prefix (max and mean d
 batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N, median
 of 3 after a warm-up (``--itl-tokens`` N).
 
-Self-check (exit status 1): in bf16, a PP layout (no TP) whose tokens or logprobs differ from the
-first layout's at all; the TP 2 layout with the fp32 reduction whose logprobs are not closer to one
-GPU's (max difference on the common prefix) than the default layout's (bf16 reduction); in float32
+Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/tp_invariant.py): every layout computes
+a TP-``T`` group's decomposition, so one GPU with ``T = 2`` should give TP 2's tokens and logprobs
+exactly. ``--invariant 2`` runs the layouts ``1x1:KVPILOT_TP_INVARIANT=2,2x1,1x1`` (TP 1 invariant
+first, as the reference; TP 2 with default settings; TP 1 default) and adds a summary line: identical
+prompts and the max logprob difference of TP 2 against TP 1 invariant, and the batch-1 ITL of the three.
+
+Self-check (exit status 1): in bf16, a layout that computes the first layout's decomposition (the
+same ``KVPILOT_TP_INVARIANT``, where TP 2 without it and without ``KVPILOT_TP_REDUCE_FP32`` is ``T = 2``
+and TP 1 is ``T = 1``, so PP layouts match TP 1) whose tokens or logprobs differ from the first
+layout's at all; the TP 2 layout with the fp32 reduction whose logprobs are not closer to one GPU's
+(max difference on the common prefix) than the default layout's (bf16 reduction); in float32
 (``--dtypes float32,bfloat16``), any layout whose tokens differ.
 
-    python3 benchmarks/gpu_tp_greedy.py            # nvidia-h200-x2, about 3-4 minutes with model creation
-    python3 benchmarks/gpu_tp_greedy.py --tiny     # CPU dry run (gloo)
+    python3 benchmarks/gpu_tp_greedy.py               # nvidia-h200-x2, about 3-4 minutes with model creation
+    python3 benchmarks/gpu_tp_greedy.py --invariant 2  # nvidia-h200-x2, three layouts: under 4 minutes
+    python3 benchmarks/gpu_tp_greedy.py --tiny [--invariant 2]   # CPU dry run (gloo)
 """
 
 from __future__ import annotations
@@ -78,6 +87,18 @@ def run(model: Path, tp: int, pp: int, dtype: str, prompts, a, device: str) -> d
             "itl_ms": statistics.median(itl) * 1e3, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
 
+def decomposition(tp: int, env: dict) -> int | None:
+    """The TP size whose rounding a layout computes: ``KVPILOT_TP_INVARIANT`` when set; else TP 1's
+    (1), TP 2's default bf16 all-reduce of two partials (2, the invariant sum); None otherwise."""
+    if int(env.get("KVPILOT_TP_INVARIANT", "0") or 0):
+        return int(env["KVPILOT_TP_INVARIANT"])
+    if tp == 1:
+        return 1
+    if tp == 2 and env.get("KVPILOT_TP_REDUCE_FP32", "0") in ("0", ""):
+        return 2
+    return None
+
+
 def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -99,7 +120,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--itl-tokens", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
+    ap.add_argument("--invariant", type=int, default=0,
+                    help="T: compare TP T and TP 1 default against TP 1 with KVPILOT_TP_INVARIANT=T "
+                         "(sets --layouts)")
     a = ap.parse_args()
+    if a.invariant:
+        a.layouts = f"1x1:KVPILOT_TP_INVARIANT={a.invariant},{a.invariant}x1,1x1"
     t_start = time.perf_counter()
     shape, device = (TINY, "cpu") if a.tiny else (LLAMA31_8B, "cuda")
     model = Path(a.model_dir + ("_tiny" if a.tiny else ""))
@@ -114,8 +140,10 @@ def main() -> int:
     print(f"| dtype | layout | load / total s | batch-1 ITL ms | first divergence per prompt (of {a.tokens}) "
           "| identical prompts | logprob diff on the common prefix: max / mean |")
     print("|---|---|---:|---:|---|---:|---:|")
+    base_decomp = decomposition(layouts[0][1], layouts[0][3])
     for dtype in a.dtypes.split(","):
         results: dict[str, dict] = {}
+        itls: dict[str, float] = {}
         base = None
         for text, tp, pp, env in layouts:
             os.environ.update(env)
@@ -125,6 +153,7 @@ def main() -> int:
                 for k in env:
                     os.environ.pop(k, None)
             head = f"| {dtype} | {text} | {res['load_s']:.0f} / {res['total_s']:.0f} | {res['itl_ms']:.3f} |"
+            itls[text] = res["itl_ms"]
             if base is None:
                 base = res
                 print(f"{head} reference | | |", flush=True)
@@ -134,8 +163,10 @@ def main() -> int:
                   flush=True)
             if dtype == "float32" and c["same"] != len(c["div"]):
                 failures.append(f"float32 {text}: tokens differ from the first layout")
-            if dtype != "float32" and tp == 1 and pp > 1 and (c["same"] != len(c["div"]) or c["max_dlp"] != 0):
-                failures.append(f"{dtype} {text}: a pipeline layout must give one GPU's tokens and logprobs exactly")
+            same_decomp = base_decomp is not None and decomposition(tp, env) == base_decomp
+            if dtype != "float32" and same_decomp and (c["same"] != len(c["div"]) or c["max_dlp"] != 0):
+                failures.append(f"{dtype} {text}: computes the first layout's decomposition (TP {base_decomp}), "
+                                "so its tokens and logprobs must be the first layout's exactly")
         fp32_tp, bf16_tp = results.get("2x1:KVPILOT_TP_REDUCE_FP32=1"), results.get("2x1")
         if dtype != "float32" and fp32_tp and bf16_tp:
             print(f"TP 2 {dtype}: fp32 reduce max/mean logprob diff {fp32_tp['max_dlp']:.2e} / "
@@ -143,6 +174,15 @@ def main() -> int:
                   f", bf16 reduce {bf16_tp['max_dlp']:.2e} / {bf16_tp['mean_dlp']:.2e}", flush=True)
             if fp32_tp["max_dlp"] >= bf16_tp["max_dlp"] and bf16_tp["max_dlp"] > 0:
                 failures.append(f"{dtype} TP 2: the fp32 reduction is not closer to one GPU than the bf16 one")
+        if a.invariant:
+            inv_text, tp_text, plain_text = a.layouts.split(",")
+            c = results[tp_text]
+            t_inv, t_tp, t_plain = itls[inv_text], itls[tp_text], itls[plain_text]
+            print(f"{dtype}: TP {a.invariant} vs TP 1 with KVPILOT_TP_INVARIANT={a.invariant}: identical prompts "
+                  f"{c['same']}/{len(c['div'])}, max logprob difference {c['max_dlp']:.2e}; batch-1 ITL: TP 1 "
+                  f"invariant {t_inv:.3f} ms ({t_inv / t_plain:.3f}x TP 1), TP 1 {t_plain:.3f} ms, TP {a.invariant} "
+                  f"{t_tp:.3f} ms ({t_tp / t_plain:.3f}x TP 1); TP 1 default vs invariant: identical prompts "
+                  f"{results[plain_text]['same']}/{len(c['div'])}", flush=True)
     print(f"total {time.perf_counter() - t_start:.0f} s")
     for f in failures:
         print("FAILED:", f)

@@ -188,7 +188,10 @@ class DecodeGraphs(_GraphSet):
     # ---- capture -----------------------------------------------------------------------------
     def _context_buckets(self, batch: int) -> list[int]:
         top = self.runner.max_seq_len
-        if 2 * self._num_sms() <= batch * self.runner.num_kv_heads:  # one split: buckets change nothing
+        # One split: buckets change nothing. (The attention kernels' KV-head count: one shard's in
+        # tensor-parallel-invariant mode, model_runner.launch_kv_heads.)
+        heads = getattr(self.runner, "launch_kv_heads", self.runner.num_kv_heads)
+        if 2 * self._num_sms() <= batch * heads:
             return [top]
         return [c for c in _CONTEXT_BUCKETS if c < top] + [top]
 

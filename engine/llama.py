@@ -39,6 +39,10 @@ KV heads), and batch-1 ITL rose 0.9%; prefill all-reduces would move twice the b
 by default, like vLLM's and TensorRT-LLM's bf16 all-reduce: the bf16 all-reduce of rounded partials
 (tensor-parallel rank 0 adds the bias inside its GEMM). Every rank holds the whole
 bias of a row-parallel layer (`weights.load_weights`); it is added exactly once either way.
+
+Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, default off): the layers of
+`kvpilot.tp_invariant` (`InvariantDecoderLayer`) replace the default ones when the model is built;
+see that module.
 """
 
 from __future__ import annotations
@@ -177,6 +181,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = cfg.num_attention_heads // tp
         self.num_kv_heads = max(1, cfg.num_key_value_heads // tp)
+        self.launch_kv_heads = self.num_kv_heads  # what attention's launch decisions assume
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
@@ -318,6 +323,13 @@ class LlamaForCausalLM(nn.Module):
     states ``[T, hidden]``; ``compute_logits(hidden [S, hidden])`` returns ``[S, vocab]`` float32
     (gathered over tensor-parallel ranks). ``kv_caches[l]`` is ``[2, num_blocks, block_size,
     num_kv_heads_per_rank, head_dim]``.
+
+    ``tp_invariant`` (``KVPILOT_TP_INVARIANT``, read once here; 0 = off) and ``invariant_shards``
+    (shards per rank when the layers are `tp_invariant.InvariantDecoderLayer`s, else 0).
+    ``lm_head_shards``: the per-shard LM head matrices when a rank holds several shards, else None.
+
+    Raises:
+        ValueError: a tensor-parallel size or ``KVPILOT_TP_INVARIANT`` the model does not split into.
     """
 
     def __init__(self, cfg: ModelConfig, pc: Optional[ParallelContext] = None,
@@ -330,17 +342,34 @@ class LlamaForCausalLM(nn.Module):
         start, end = self.layer_range
         self.is_first = start == 0
         self.is_last = end == cfg.num_hidden_layers
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
-            self.is_first or (self.is_last and cfg.tie_word_embeddings)) else None
+        # (imported here: kvpilot.tp_invariant builds on this module's layers)
+        from .tp_invariant import InvariantDecoderLayer, tp_invariant_shards, tp_invariant_size
+
         self.fused_gemv = fused_gemv_enabled()  # read once: KVPILOT_FUSED_GEMV
-        self.tp_reduce_fp32 = tp_reduce_fp32_enabled()  # read once: KVPILOT_TP_REDUCE_FP32
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv, self.tp_reduce_fp32)
-                                    for i in range(start, end))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
-        if self.is_last and not cfg.tie_word_embeddings:
-            self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))
+        self.tp_invariant = T = tp_invariant_size()  # read once: KVPILOT_TP_INVARIANT
+        s = tp_invariant_shards(cfg, self.pc.tp_size, T) if T else 0
+        # One shard per rank at TP <= 2 is the default model (t = T = 2: the two-rank all-reduce is
+        # the invariant sum); otherwise the shard layers.
+        self.invariant_shards = s if s > 1 or self.pc.tp_size > 2 else 0
+        # read once: KVPILOT_TP_REDUCE_FP32 (ignored in tensor-parallel-invariant mode)
+        self.tp_reduce_fp32 = tp_reduce_fp32_enabled() and not T
+        lm_shards = self.is_last and s > 1
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
+            self.is_first or (self.is_last and cfg.tie_word_embeddings and not lm_shards)) else None
+        if self.invariant_shards:
+            self.layers = nn.ModuleList(InvariantDecoderLayer(cfg, i, self.pc, T, self.fused_gemv)
+                                        for i in range(start, end))
         else:
-            self.lm_head = None
+            self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv, self.tp_reduce_fp32)
+                                        for i in range(start, end))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
+        self.lm_head_shards = None
+        self.lm_head = None
+        if lm_shards:  # a TP-T rank's padded [ceil(V / T), hidden] matrix per shard (tied ones copied)
+            self.lm_head_shards = nn.ParameterList(
+                nn.Parameter(torch.empty(-(-cfg.vocab_size // T), cfg.hidden_size)) for _ in range(s))
+        elif self.is_last and not cfg.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 
     def set_rope_cache(self, cache: torch.Tensor) -> None:
@@ -358,8 +387,11 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head if self.lm_head is not None else self.embed_tokens.weight
-        logits = torch.matmul(hidden, weight.t()).float()
+        if self.lm_head_shards is not None:  # tensor-parallel-invariant: a TP-T rank's product per shard
+            logits = torch.cat([torch.matmul(hidden, w.t()).float() for w in self.lm_head_shards], dim=-1)
+        else:
+            weight = self.lm_head if self.lm_head is not None else self.embed_tokens.weight
+            logits = torch.matmul(hidden, weight.t()).float()
         if self.pc.tp_size > 1:
             parts = [torch.empty_like(logits) for _ in range(self.pc.tp_size)]
             dist.all_gather(parts, logits, group=self.pc.tp_group)

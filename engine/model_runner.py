@@ -234,6 +234,9 @@ class ModelRunner:
         kv_dtype = resolve_kv_dtype(kv_config.dtype, self.dtype)
         self.kv_dtype = kv_dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads if len(model.layers) else 1
+        # The KV-head count attention's launch decisions assume: one shard's in tensor-parallel-
+        # invariant mode (engine/tp_invariant.py), else num_kv_heads. Decode graphs' context buckets too.
+        self.launch_kv_heads = model.layers[0].self_attn.launch_kv_heads if len(model.layers) else 1
         self.free_bytes_for_kv = 0.0
         self.profile_peak_bytes = 0
         self._staging = _Staging(self.device)

@@ -7,6 +7,11 @@ gate/up -> ``gate_up_proj``.
 Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
 holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
 all-reduce, or inside rank 0's GEMM with ``KVPILOT_TP_REDUCE_FP32=0``).
+
+Tensor-parallel-invariant models (``KVPILOT_TP_INVARIANT``, `tp_invariant.InvariantDecoderLayer`): each of
+a rank's shards ``g`` gets what rank ``g`` of a TP-``T`` group loads, through the same slicing code
+(`_shard_targets`), into its own parameters (``qkv_shards.j``, ``o_shards.j``, ``gate_up_shards.j``,
+``down_shards.j``, ``lm_head_shards.j``).
 """
 
 from __future__ import annotations
@@ -43,13 +48,27 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _kv_head_range(model: LlamaForCausalLM) -> tuple[int, int]:
-    """First KV head and count held by this rank (replicated when tp_size > num_kv_heads)."""
-    cfg, pc = model.cfg, model.pc
-    per_rank = max(1, cfg.num_key_value_heads // pc.tp_size)
-    if pc.tp_size <= cfg.num_key_value_heads:
-        return pc.tp_rank * per_rank, per_rank
-    return pc.tp_rank // (pc.tp_size // cfg.num_key_value_heads), 1
+def _kv_heads_of(num_kv_heads: int, rank: int, tp: int) -> tuple[int, int]:
+    """First KV head and count held by rank ``rank`` of ``tp`` (replicated when tp > num_kv_heads)."""
+    per_rank = max(1, num_kv_heads // tp)
+    if tp <= num_kv_heads:
+        return rank * per_rank, per_rank
+    return rank // (tp // num_kv_heads), 1
+
+
+def _shard_targets(model: LlamaForCausalLM) -> list[tuple[int, int, dict[str, str]]]:
+    """``(rank, tp, names)`` per weight shard this model holds: the rank of a TP-``tp`` group whose
+    slices it loads, and the (layer-relative) names of the parameters they go to. One entry (this
+    rank of its group) for the default model; one per shard ``first + j`` of a TP-``T`` group in
+    tensor-parallel-invariant mode."""
+    pc = model.pc
+    if not model.invariant_shards:
+        return [(pc.tp_rank, pc.tp_size, {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj.weight",
+                                          "gate_up": "mlp.gate_up_proj", "down": "mlp.down_proj.weight"})]
+    s = model.invariant_shards
+    return [(pc.tp_rank * s + j, model.tp_invariant,
+             {"qkv": f"self_attn.qkv_shards.{j}", "o": f"self_attn.o_shards.{j}.weight",
+              "gate_up": f"mlp.gate_up_shards.{j}", "down": f"mlp.down_shards.{j}.weight"}) for j in range(s)]
 
 
 @torch.no_grad()
@@ -60,12 +79,12 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
         KeyError: a parameter of the model has no tensor in the checkpoint.
     """
     cfg, pc = model.cfg, model.pc
-    r, tp = pc.tp_rank, pc.tp_size
     start, end = model.layer_range
     hd = cfg.head_dim
-    q_heads = cfg.num_attention_heads // tp
-    kv_first, kv_count = _kv_head_range(model)
-    inter = cfg.intermediate_size // tp
+    targets = _shard_targets(model)
+    # Row-parallel biases: whole on every rank, in the default layer's or the shard layer's name.
+    o_bias = "self_attn.o_bias" if model.invariant_shards else "self_attn.o_proj.bias"
+    down_bias = "mlp.down_bias" if model.invariant_shards else "mlp.down_proj.bias"
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     device = next(model.parameters()).device
@@ -79,12 +98,39 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
         target.copy_(tensor.to(device=device, dtype=p.dtype))
         loaded.add(name)
 
-    def vocab_rows(sl, param_name: str) -> None:
+    def vocab_rows(sl, param_name: str, r: int) -> None:
         per = params[param_name].shape[0]
         lo, hi = r * per, min((r + 1) * per, cfg.vocab_size)
         put(param_name, sl[lo:hi], slice(0, hi - lo))
         if hi - lo < per:  # padding rows of the last rank never win the arg-max
             params[param_name][hi - lo:].zero_()
+
+    def lm_head_rows(sl) -> None:
+        if model.lm_head_shards is not None:  # invariant mode: one TP-T rank's rows per shard
+            for j in range(len(model.lm_head_shards)):
+                vocab_rows(sl, f"lm_head_shards.{j}", pc.tp_rank * len(model.lm_head_shards) + j)
+        elif model.lm_head is not None:
+            vocab_rows(sl, "lm_head", pc.tp_rank)
+
+    def layer_tensor(prefix: str, rest: str, kind: str, sl, r: int, tp: int, names: dict[str, str]) -> None:
+        """Rank ``r`` of TP ``tp``'s slice of one per-layer tensor into ``names``' parameters."""
+        q_heads = cfg.num_attention_heads // tp
+        kv_first, kv_count = _kv_heads_of(cfg.num_key_value_heads, r, tp)
+        inter = cfg.intermediate_size // tp
+        if rest.startswith("self_attn.q_proj."):
+            put(prefix + f"{names['qkv']}.{kind}", sl[r * q_heads * hd:(r + 1) * q_heads * hd],
+                slice(0, q_heads * hd))
+        elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+            off = q_heads * hd + (0 if ".k_proj." in rest else kv_count * hd)
+            put(prefix + f"{names['qkv']}.{kind}", sl[kv_first * hd:(kv_first + kv_count) * hd],
+                slice(off, off + kv_count * hd))
+        elif rest == "self_attn.o_proj.weight":
+            put(prefix + names["o"], sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
+        elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+            off = 0 if ".gate_proj." in rest else inter
+            put(prefix + f"{names['gate_up']}.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
+        elif rest == "mlp.down_proj.weight":
+            put(prefix + names["down"], sl[:, r * inter:(r + 1) * inter])
 
     for path in safetensors_files(_model_dir(model)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -92,11 +138,13 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 sl = f.get_slice(key)
                 if key == "model.embed_tokens.weight":
                     if model.embed_tokens is not None:
-                        vocab_rows(sl, "embed_tokens.weight")
+                        vocab_rows(sl, "embed_tokens.weight", pc.tp_rank)
+                    if cfg.tie_word_embeddings:
+                        lm_head_rows(sl)
                     continue
                 if key == "lm_head.weight":
-                    if model.lm_head is not None:
-                        vocab_rows(sl, "lm_head")
+                    if not cfg.tie_word_embeddings:
+                        lm_head_rows(sl)
                     continue
                 if key == "model.norm.weight":
                     if model.norm is not None:
@@ -110,26 +158,15 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                     continue
                 prefix = f"layers.{i - start}."
                 kind = rest.rsplit(".", 1)[-1]  # weight or bias
-                if rest.startswith("self_attn.q_proj."):
-                    put(prefix + f"self_attn.qkv_proj.{kind}", sl[r * q_heads * hd:(r + 1) * q_heads * hd],
-                        slice(0, q_heads * hd))
-                elif rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
-                    off = q_heads * hd + (0 if ".k_proj." in rest else kv_count * hd)
-                    put(prefix + f"self_attn.qkv_proj.{kind}", sl[kv_first * hd:(kv_first + kv_count) * hd],
-                        slice(off, off + kv_count * hd))
-                elif rest == "self_attn.o_proj.weight":
-                    put(prefix + "self_attn.o_proj.weight", sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
-                elif rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
-                    put(prefix + "self_attn.o_proj.bias", sl[:])
-                elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
-                    off = 0 if ".gate_proj." in rest else inter
-                    put(prefix + f"mlp.gate_up_proj.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
-                elif rest == "mlp.down_proj.weight":
-                    put(prefix + "mlp.down_proj.weight", sl[:, r * inter:(r + 1) * inter])
+                if rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
+                    put(prefix + o_bias, sl[:])
                 elif rest == "mlp.down_proj.bias":
-                    put(prefix + "mlp.down_proj.bias", sl[:])
+                    put(prefix + down_bias, sl[:])
                 elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
                     put(prefix + rest, sl[:])
+                else:
+                    for r, tp, names in targets:
+                        layer_tensor(prefix, rest, kind, sl, r, tp, names)
     missing = [n for n in params if n not in loaded]
     if missing:
         raise KeyError(f"checkpoint {_model_dir(model)} lacks tensors for {missing[:8]}"

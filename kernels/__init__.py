@@ -87,8 +87,8 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
 def paged_attention_triton(*args, **kwargs):
     """Triton version of :func:`~kvpilot.kernels.reference.paged_attention_ref` (same arguments).
 
-    Also takes keyword ``num_splits``, which overrides the split-K heuristic of the decode path
-    (see ``kernels/attention.py``).
+    Also takes keywords ``num_splits``, which overrides the split-K heuristic of the decode path,
+    and ``launch_kv_heads`` (see ``kernels/attention.py``).
     """
     return _triton_impl("attention", "paged_attention_triton")(*args, **kwargs)
 
@@ -132,15 +132,27 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(
-    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
+    *, launch_kv_heads=None,
 ):
     """Paged causal attention for mixed prefill/decode batches; Triton on CUDA, reference otherwise.
 
     See :func:`~kvpilot.kernels.reference.paged_attention_ref` for shapes, semantics and errors.
+    ``launch_kv_heads`` (default None: the cache's KV-head count): the KV-head count the Triton
+    kernels' launch decisions assume (`kvpilot.kernels.attention.paged_attention_triton`); the
+    reference computes each head alike whatever it is.
     """
-    fn = paged_attention_triton if _use_triton(q) else paged_attention_ref
-    return fn(
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+    if not _use_triton(q):
+        return paged_attention_ref(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+        )
+    if launch_kv_heads is None:
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+        )
+    return paged_attention_triton(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
+        launch_kv_heads=launch_kv_heads,
     )
 
 

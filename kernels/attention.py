@@ -496,6 +496,7 @@ def paged_attention_triton(
     max_seq_len: int,
     *,
     num_splits: int | None = None,
+    launch_kv_heads: int | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as :func:`kvpilot.kernels.reference.paged_attention_ref`.
 
@@ -504,7 +505,12 @@ def paged_attention_triton(
     kernel, all others the prefill kernel; in a step of several sequences the one-token (decode)
     rows are then left to the decode kernel, launched after it
     (``TUNING["prefill"]["decode_rows_to_decode_kernel"]``). ``num_splits`` overrides the first
-    kernel's context-split heuristic (tests use it). The prefill launch depends only on shapes and these bounds, so a
+    kernel's context-split heuristic (tests use it). ``launch_kv_heads`` (default: the cache's KV-head
+    count) is the KV-head count every launch decision assumes (the decode and prefill context splits,
+    the decode kernel's full-batch launch), while the grids still cover all heads: a caller holding
+    several tensor-parallel shards' heads passes one shard's count, so each head is computed exactly
+    as on a rank holding one shard (engine/tp_invariant.py, ``KVPILOT_TP_INVARIANT``; the values of
+    one head never depend on the grid). The prefill launch depends only on shapes and these bounds, so a
     CUDA graph captured at padded sizes (padded tokens, sequences with empty query ranges,
     ``max_query_len`` = padded token count) replays it for any batch that fits. The innermost
     dimension of ``q`` and of the caches must be contiguous.
@@ -515,7 +521,8 @@ def paged_attention_triton(
     later op of the model is row-wise, so they cannot leak into real rows).
 
     Raises:
-        ValueError: on inconsistent shapes or a non-contiguous innermost dimension.
+        ValueError: on inconsistent shapes, a non-contiguous innermost dimension, or a
+            ``launch_kv_heads`` that is not a positive divisor of the KV-head count.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
@@ -524,6 +531,11 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    if launch_kv_heads is None:
+        launch_kv_heads = num_kv_heads
+    elif not (isinstance(launch_kv_heads, int) and launch_kv_heads >= 1 and num_kv_heads % launch_kv_heads == 0):
+        raise ValueError(f"launch_kv_heads must be a positive divisor of the {num_kv_heads} KV heads, "
+                         f"got {launch_kv_heads!r}")
     num_seqs = seq_lens.shape[0]
     out = torch.empty_like(q)  # rows no sequence covers (padding) stay unwritten
     if num_seqs == 0 or num_tokens == 0 or max_query_len <= 0:
@@ -555,7 +567,7 @@ def paged_attention_triton(
         block_q, block_m = prefill_block_q(group)
         block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
         tiles = prefill_max_tiles(num_tokens, num_seqs, max_query_len, block_q)
-        splits = num_splits or prefill_num_splits(num_tokens, block_q, num_kv_heads, _device_sms(q.device))
+        splits = num_splits or prefill_num_splits(num_tokens, block_q, launch_kv_heads, _device_sms(q.device))
         if splits > 1:
             part_out = torch.empty(num_tokens * num_heads * splits, head_dim_pad, dtype=torch.float32,
                                    device=q.device)
@@ -581,9 +593,9 @@ def paged_attention_triton(
             return out
         num_splits = None  # an override above was the prefill kernel's
 
-    splits = num_splits or _num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+    splits = num_splits or _num_splits(num_seqs, launch_kv_heads, max_seq_len, q.device)
     cfg = TUNING["decode"]
-    full = splits == 1 and num_seqs * num_kv_heads >= cfg["no_split_per_sm"] * _device_sms(q.device)
+    full = splits == 1 and num_seqs * launch_kv_heads >= cfg["no_split_per_sm"] * _device_sms(q.device)
     block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
     min_split = max(block_n, triton.cdiv(cfg["min_split_tokens"], block_n) * block_n)
     # No more splits than the longest context can fill at min_split keys each; each sequence then

@@ -11,9 +11,11 @@ eager stages: ``KVPILOT_PP_CUDA_GRAPHS=0``), one `LLM` in turn on the random mod
 - with ``KVPILOT_STEP_TIMING=1`` (set here for every layout), the per-phase table of
   `MultiprocExecutor.step_timing` over exactly those ITL runs (front end: send / wait_answer /
   logits / host_between_steps; each rank: idle / recv / prepare_launch / answer / GPU completion).
-- with ``--sampled``, the same ITL of a sampled request (temperature 0.8, top-p 0.9, seed 1: the front
-  end's sampler runs every step) after a sampled warm-up, with its own step table, the rows that
-  fell back to the exact draw, and whether every seeded run drew the same tokens (information).
+- with ``--sampled``, the same ITL of a sampled request (temperature 0.8, top-p 0.9, seed 1) after a
+  sampled warm-up, with its own step table, the rows that fell back to the exact draw, whether every
+  seeded run drew the same tokens (information), and how many steps the TP output rank drew itself
+  (asynchronous steps: its own `Sampler`, ``SYNC_SELF``; ``KVPILOT_TP_RANK_SAMPLING=0`` leaves them to
+  the front end's sampler, ``SYNC_GO``).
 
 A layout is ``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` (environment for that layout only); e.g.
 ``2x1:KVPILOT_LOGITS_EVENT=0;KVPILOT_PIPE_SPIN_US=0`` is the old answer path (the output worker
@@ -22,13 +24,16 @@ synchronizes before answering, no pipe spinning) for an A/B on the same machine.
 Self-check (exit status 1): a layout's first generated token differs from the first layout's; two
 layouts of the same ``TxP`` shape (A/B variants) differ in a token other than at a bf16 near-tie (the
 later layout's token is the earlier one's second choice there, within `NEAR_TIE` nats; a graph step
-pads its batch, which may change the rounding of a matrix product); or a pipeline layout with stage
+pads its batch, which may change the rounding of a matrix product); with ``--sampled``, two layouts
+whose environments differ only in ``KVPILOT_TP_RANK_SAMPLING`` drew different sampled tokens (the
+same logits, so the output rank's draw must be the front end's bit for bit); or a pipeline layout with stage
 graphs on reports no graph replay on some rank (step timing's ``stage_graph`` phase). Later tokens of a
 different shape may diverge on random weights (bf16, another summation order): the first divergence
 index is printed. Results also go to ``$OUT/gpu_tp_profile.json``.
 
 Usage (an nvidia-h200-x2, about 2-3 minutes; from the repo root by path, never ``python -m``):
-``python3 benchmarks/gpu_tp_profile.py``
+``python3 benchmarks/gpu_tp_profile.py``; the sampling path at TP 2, the output rank's against the
+front end's: ``--layouts "1x1,2x1,2x1:KVPILOT_TP_RANK_SAMPLING=0" --sampled``.
 """
 
 from __future__ import annotations
@@ -66,6 +71,11 @@ def twin_mismatch(a: dict, b: dict) -> str | None:
         if tb[i] not in top or abs(top[tb[i]] - top[ta[i]]) > NEAR_TIE:
             return f"prompt {k} token {i}: {tb[i]} instead of {ta[i]} (top two there: {top})"
     return None
+
+
+def _env_but_sampling(layout: str) -> dict:
+    """A layout's environment without ``KVPILOT_TP_RANK_SAMPLING`` (which only moves the draw)."""
+    return {k: v for k, v in _layout(layout)[2].items() if k != "KVPILOT_TP_RANK_SAMPLING"}
 
 
 def _layout(text: str) -> tuple[int, int, dict]:
@@ -114,6 +124,8 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
             timed(a.itl_tokens + 1, **kw)
             sampler = getattr(llm._core, "sampler", None)
             exact0 = getattr(sampler, "exact_rows", None)
+            ex = llm._executor
+            rank0 = [getattr(ex, k, 0) for k in ("num_rank_sampled_steps", "num_self_steps", "num_rank_redrawn_rows")]
             if timing is not None:
                 timing(reset=True)
             sampled = [(timed(a.itl_tokens + 1, **kw) - timed(1, **kw)) / a.itl_tokens for _ in range(3)]
@@ -121,8 +133,13 @@ def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
             res["itl_sampled_ms_all"] = [round(x * 1e3, 3) for x in sampled]
             if timing is not None:
                 res["timing_sampled"] = timing()
-            # Rows of the timed sampled requests that fell back to the exact draw (not the whole run's).
-            res["sampler_exact_rows"] = None if exact0 is None else sampler.exact_rows - exact0
+            # Rows of the timed sampled requests that fell back to the exact draw (not the whole run's),
+            # in the front end's sampler or the output rank's; steps the output rank drew / fed itself.
+            rank = [getattr(ex, k, 0) - v for k, v in zip(("num_rank_sampled_steps", "num_self_steps",
+                                                           "num_rank_redrawn_rows"), rank0)]
+            res["sampler_exact_rows"] = None if exact0 is None else sampler.exact_rows - exact0 + rank[2]
+            res["rank_sampled_steps"], res["self_steps"] = rank[0], rank[1]
+            res["sampled_tokens"] = sampled_tokens[0]
             # Seeded: every run draws the same tokens (a 1-token run, the first of them); information
             # only, since a last-bit difference in the logits may flip a draw at a near-tie.
             first = sampled_tokens[0]
@@ -184,6 +201,11 @@ def main() -> int:
         twin = next((r for r in results[:-1] if (r["tp"], r["pp"]) == (tp, pp) and "greedy" in r), None)
         bad_first = any(d == 0 for d in div)
         bad_twin = twin_mismatch(twin, res) if twin is not None else None
+        # The sampling path is the only difference: the same logits, so the same draws bit for bit.
+        path_twin = next((r for r in results[:-1] if (r["tp"], r["pp"]) == (tp, pp) and "sampled_tokens" in r
+                          and _env_but_sampling(r["layout"]) == _env_but_sampling(text)), None)
+        if path_twin is not None and "sampled_tokens" in res and path_twin["sampled_tokens"] != res["sampled_tokens"]:
+            bad_twin = (bad_twin or "") + f" sampled tokens differ from {path_twin['layout']}'s"
         # Stage graphs on (the default) must have been replayed on every rank.
         graphs_on = pp > 1 and torch.cuda.is_available() and a.device != "cpu" and all(
             env.get(k, "1") != "0" for k in ("KVPILOT_PP_CUDA_GRAPHS", "KVPILOT_CUDA_GRAPHS"))
@@ -202,7 +224,9 @@ def main() -> int:
             print(format_step_timing(res["timing"]), flush=True)
         if res.get("timing_sampled"):
             print(f"sampled requests (exact-path rows {res.get('sampler_exact_rows')}, same tokens every run: "
-                  f"{res.get('sampled_repeatable')}):\n" + format_step_timing(res["timing_sampled"]), flush=True)
+                  f"{res.get('sampled_repeatable')}; steps drawn by the output rank {res.get('rank_sampled_steps')},"
+                  f" fed by its own ids {res.get('self_steps')}):\n" + format_step_timing(res["timing_sampled"]),
+                  flush=True)
         (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
     base = results[0].get("itl_ms")
     base_sampled = results[0].get("itl_sampled_ms")

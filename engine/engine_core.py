@@ -60,7 +60,11 @@ after step N+1 is sent (`_start_inflight`: ``await_logits``, launch, ``publish_t
 the ids to the workers waiting for them), unless the step needs its logits on the host (prompt
 logprobs, beams, generation logits: then it waits for them at once). When every live request is
 `_argmax_only`, the step is an arg-max step: the output rank computes the ids and sends them
-(``await_ids``), and nothing is sampled here.
+(``await_ids``), and nothing is sampled here. When every live request is `_rank_samplable` (and the
+executor has ``samples_on_output_rank``), the output rank draws the ids with its own `Sampler` from
+the plan's `SamplingRow` records and output positions (`_own_rows`: the ones this engine's sampler
+would use, so the same ids); rows it left to the exact draw (-1 on its device) are rolled back as
+here.
 
 The step falls back to the synchronous order (read step N first, then schedule): where the schedule
 would preempt (``Scheduler.schedule(preempt=False)`` says so; the read may free blocks), when the
@@ -133,19 +137,25 @@ class _InFlight:
     # An executor with ``defers_logits``: (logits, their rows to sample or None for all, sampling
     # rows) while the sampler is not launched yet (``handle`` is None until `_start_inflight`).
     launch: Optional[tuple] = None
-    # An arg-max step (``greedy_hint``): every row is `_argmax_only`; the output rank computes the
-    # ids (`MultiprocExecutor.await_ids`) and no logits come back.
-    argmax: bool = False
+    # A step whose ids the output rank chose (``own_ids_hint``): every row `_argmax_only` (its
+    # arg-max) or `_rank_samplable` (its sampler); `MultiprocExecutor.await_ids`, no logits come back.
+    own: bool = False
 
 
 class _Ready:
-    """A sampler call already read (`_start_inflight`'s fallback): ``finish()`` returns its output."""
+    """A sampler call already read (`_start_inflight`'s fallback, or the output rank's ids):
+    ``finish()`` returns its output. ``redrawn``: rows whose device token was -1 (drawn again on the
+    host; -1 in ``tokens`` too, as a sampler call's device tensor has them)."""
 
-    redrawn = ()
-
-    def __init__(self, out: SamplerOutput) -> None:
+    def __init__(self, out: SamplerOutput, redrawn: list[int] = ()) -> None:
         self.out = out
-        self.tokens = torch.tensor(out.token_ids, dtype=torch.int64)
+        self.redrawn = redrawn
+        tokens = out.token_ids
+        if redrawn:
+            tokens = list(tokens)
+            for i in redrawn:
+                tokens[i] = -1
+        self.tokens = torch.tensor(tokens, dtype=torch.int64)
 
     def finish(self) -> SamplerOutput:
         return self.out
@@ -222,6 +232,9 @@ class EngineCore:
         self._beam_requests: set[int] = set()  # ids of live use_beam_search requests
         self._gen_logits_requests: set[int] = set()  # ids of live return_generation_logits requests
         self._not_argmax_only: set[int] = set()  # ids of live requests `_argmax_only` says no to
+        self._not_rank_samplable: set[int] = set()  # ids of live requests `_rank_samplable` says no to
+        # The executor's output rank may draw ids with its own sampler (`_own_rows`).
+        self._rank_sampling = bool(getattr(executor, "samples_on_output_rank", False))
         self._cuda = torch.cuda.is_available()  # asked once: the query costs microseconds per step
 
     def flush_outputs(self) -> None:
@@ -245,6 +258,8 @@ class EngineCore:
             self._gen_logits_requests.add(req.request_id)
         if not _argmax_only(p):
             self._not_argmax_only.add(req.request_id)
+        if not _rank_samplable(p):
+            self._not_rank_samplable.add(req.request_id)
         limit = min(req.num_prompt_tokens + p.max_tokens, self.max_seq_len)
         for seq in req.seqs:
             init_offsets(seq)
@@ -326,6 +341,7 @@ class EngineCore:
         self._beam_requests.discard(req.request_id)
         self._gen_logits_requests.discard(req.request_id)
         self._not_argmax_only.discard(req.request_id)
+        self._not_rank_samplable.discard(req.request_id)
         now = time.monotonic()
         m = req.output.metrics
         reasons = {s.finish_reason for s in req.seqs}
@@ -404,7 +420,8 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
-        argmax = defer = False
+        own = defer = False
+        own_rows = None  # a step the output rank samples: (seq_id, output position, record) per row
         if prev is not None and not self._defers:
             self.executor.set_inflight_tokens(prev.handle.tokens)
         elif self._defers:
@@ -412,12 +429,18 @@ class EngineCore:
             # its logits are needed on the host now (prompt logprobs, beams, generation logits).
             defer = (self._overlap_ok() and not host_logits and not self._beam_requests
                      and not self._gen_logits_requests)
-            # Arg-max steps (every live request `_argmax_only`): the output rank computes the ids,
-            # which the next step reads there at once (SYNC_SELF), and sends them; the front end
-            # samples nothing and does no device work (module docstring).
-            argmax = defer and not self._not_argmax_only
-            self.executor.greedy_hint = (argmax, prev is not None and prev.handle is None and prev.argmax
-                                         and prev.launch[1] is None)
+            # Steps whose ids the output rank chooses: every live request `_argmax_only` (its
+            # arg-max) or `_rank_samplable` (its sampler, from this step's records). The next step
+            # reads them there at once (SYNC_SELF); the front end samples nothing and does no device
+            # work (module docstring).
+            hint = None
+            if defer and not self._not_argmax_only:
+                hint = True
+            elif defer and self._rank_sampling and not self._not_rank_samplable:
+                hint = own_rows = self._own_rows(sched.scheduled, plan)
+            own = hint is not None
+            self.executor.own_ids_hint = (hint, prev is not None and prev.handle is None and prev.own
+                                          and prev.launch[1] is None)
         logits, _ = self.executor.execute(plan)
         if prev is not None:
             # The device has this step queued behind the last one: read the last one's tokens now
@@ -469,6 +492,11 @@ class EngineCore:
                     srow.step = len(seq.token_ids) - seq.num_prompt_tokens
                 else:
                     srow = self._sampling_row(seq)
+                if own_rows is not None and own_rows[row - 1][1] != srow.step:
+                    # The output rank drew this row at the position planned before the last
+                    # step's tokens were read; they must agree (`_own_rows`).
+                    raise RuntimeError(f"sequence {seq.seq_id}: the output rank sampled output position "
+                                       f"{own_rows[row - 1][1]}, the token is at {srow.step}")
                 rows.append(srow)
                 sample_seqs.append(seq)
                 sample_rows.append(row - 1)
@@ -482,7 +510,7 @@ class EngineCore:
             for i, seq in enumerate(sample_seqs):
                 seq.inflight_row = i
             self._inflight = _InFlight(None, sample_seqs, None,
-                                       (logits, None if row == len(sample_rows) else sample_rows, rows), argmax)
+                                       (logits, None if row == len(sample_rows) else sample_rows, rows), own)
         elif sample_seqs:
             sel = logits if row == len(sample_rows) else logits[_upload_rows(sample_rows, logits.device)]
             gen = None
@@ -511,7 +539,7 @@ class EngineCore:
         elif self._defers:
             if defer:  # nothing left to sample (its rows ended or were rolled back, or a prefill chunk):
                 # its answer is still read, so that the executor's steps stay in order
-                (self.executor.await_ids if argmax else self.executor.await_logits)()
+                (self.executor.await_ids if own else self.executor.await_logits)()
             self.executor.publish_tokens(None)  # nothing sampled in this step
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
@@ -587,12 +615,17 @@ class EngineCore:
         cannot stay in flight is read here (`_Ready`)."""
         logits, sample_rows, rows = prev.launch
         prev.launch = None
-        if prev.argmax:  # the output rank's arg-max ids (`_argmax_only` rows): nothing to sample here
-            ids = self.executor.await_ids()
+        if prev.own:  # the output rank's ids (its arg-max or its sampler's): nothing to sample here
+            ids, redrawn = self.executor.await_ids()
             if sample_rows is not None:
                 ids = [ids[r] for r in sample_rows]
+                if redrawn:
+                    at = {r: i for i, r in enumerate(sample_rows)}
+                    redrawn = [at[r] for r in redrawn if r in at]
             n = len(ids)
-            prev.handle = _Ready(SamplerOutput(ids, [None] * n, [None] * n))
+            # Redrawn rows were -1 in the output rank's ids buffer: rolled back as the front end's own
+            # sampler's would be (`_resolve_inflight`).
+            prev.handle = _Ready(SamplerOutput(ids, [None] * n, [None] * n), redrawn)
             self.executor.publish_tokens(prev.handle.tokens)
             return
         logits = self.executor.await_logits()
@@ -604,6 +637,26 @@ class EngineCore:
             handle = _Ready(out if out is not None else self._finish_sampling(handle, sel, rows, prev.seqs))
         prev.handle = handle
         self.executor.publish_tokens(handle.tokens)
+
+    def _own_rows(self, scheduled: list, plan: list[ScheduledSeq]) -> list[tuple[int, int, bytes]]:
+        """The sampling rows of a step the output rank samples (`_rank_samplable` requests only), one
+        per logits row: (seq_id, output position of the token drawn, `SamplingRow.record` bytes).
+
+        Planned before the last step's tokens are read: an in-flight row's token is one more than
+        ``token_ids`` holds now. A row whose in-flight token ends its sequence or is rolled back is
+        drawn but not kept, and every other row gets exactly this position when its sampler row is
+        updated after the read (`step` checks it). The records are the sequences' own rows', built
+        here at a sequence's first sampled token (`_sampling_row`; rows of these requests only
+        change in their position)."""
+        out = []
+        for (seq, _n), p in zip(scheduled, plan):
+            if p.sample:
+                srow = seq.sampling_row
+                if srow is None:
+                    srow = self._sampling_row(seq)
+                step = len(seq.token_ids) - seq.num_prompt_tokens + (p.inflight_row >= 0)
+                out.append((seq.seq_id, step, srow.record()))
+        return out
 
     def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], seqs: list[Sequence]):
         """Start sampling ``logits`` ([S, V] float32): (handle, None), or (None, `SamplerOutput`).
@@ -899,16 +952,24 @@ class EngineCore:
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
 
 
-def _argmax_only(p) -> bool:
-    """Whether a request needs nothing but the arg-max of its raw logits: greedy, nothing that
-    changes the logits first (penalties, biases, bans, ``min_tokens``), no beams, and no
-    log-probabilities or logits returned (so the sampler's token is ``logits.argmax(-1)``, the first
-    maximum, as `torch.argmax` picks it on any device)."""
-    return (p.greedy and not p.use_beam_search and p.repetition_penalty == 1.0 and not p.frequency_penalty
+def _rank_samplable(p) -> bool:
+    """Whether a request's tokens depend on nothing but its logits and the scalars of its sampler
+    record (temperature, top-k, top-p, min-p, seed; the output position): nothing that changes the
+    logits first (penalties, which need the token history, biases, bans, ``min_tokens``), no beams or
+    ``best_of``, and no log-probabilities or logits returned. The tensor-parallel output rank can
+    then draw them with its own `Sampler` exactly as this engine's would (`EngineCore._own_rows`)."""
+    return (not p.use_beam_search and p.repetition_penalty == 1.0 and not p.frequency_penalty
             and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
             and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens and p.logprobs is None
             and p.num_candidates == p.n and p.prompt_logprobs is None and not p.return_context_logits
             and not p.return_generation_logits)
+
+
+def _argmax_only(p) -> bool:
+    """Whether a request needs nothing but the arg-max of its raw logits: greedy and
+    `_rank_samplable` (so the sampler's token is ``logits.argmax(-1)``, the first maximum, as
+    `torch.argmax` picks it on any device)."""
+    return p.greedy and _rank_samplable(p)
 
 
 def _upload_rows(rows: list[int], dev: torch.device) -> torch.Tensor:

@@ -18,9 +18,13 @@ hangs. Waits use `multiprocessing.connection.wait` over the pipes and the proces
 Asynchronous steps (`MultiprocExecutor.defers_logits`; one pipeline stage on one node,
 ``KVPILOT_TP_ASYNC`` not 0): the front end sends step N+1 before it samples step N, and the output
 rank gets step N's ids from the front end (a "go" message, or the interprocess event of an earlier
-publication) or from its own arg-max when every live request wants only greedy ids; the front end
-then queues no device work, since its kernels would time-slice the output rank's GPU
-(``parallel_worker.InputSync``; docs/parallelism.md).
+publication) or chooses them itself: its arg-max when every live request wants only greedy ids, or
+its own run of the front end's `Sampler` over the same logits and `SamplingRow` records when every
+live request wants only ids drawn with temperature, top-k, top-p, min-p and a seed (nothing that
+needs the front end's state: log-probabilities, penalties, biases, bans, beams;
+``KVPILOT_TP_RANK_SAMPLING=0`` leaves those draws to the front end). The front end then queues no
+device work, since its kernels would time-slice the output rank's GPU, and no step waits for it
+(``parallel_worker.InputSync``, `Worker.own_step`; docs/parallelism.md).
 
 Multi-node (a LeaderWorkerSet group): LWS sets ``LWS_LEADER_ADDRESS``, ``LWS_GROUP_SIZE`` and
 ``LWS_WORKER_INDEX`` in every pod; the rendezvous is ``tcp://$LWS_LEADER_ADDRESS:$MASTER_PORT``.
@@ -50,9 +54,9 @@ import torch
 from .config import KvCacheConfig, ModelConfig
 from .custom_all_reduce import custom_all_reduce_enabled, custom_all_reduce_max_tokens
 from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
-                              MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, StepTimer,
-                              WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers, step_timing_enabled,
-                              worker_main)
+                              MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, RowEncoder,
+                              StepTimer, WorkerSpec, pipe_spin_seconds, rank_sampling_enabled, spin_poll,
+                              stage_layers, step_timing_enabled, worker_main)
 
 logger = logging.getLogger(__name__)
 
@@ -282,14 +286,21 @@ class MultiprocExecutor:
         self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node
                               and (self.logits_mode == LOGITS_EVENT and self._tok_buf is not None
                                    or spec.device == "cpu"))
-        self._sent: deque = deque()  # steps sent, logits not awaited: [rows, logits tensor, orphan]
+        self._sent: deque = deque()  # steps sent, not awaited: [rows, logits tensor, orphan, slot, own]
         self._stash: list = []  # answers read while collecting step timing
-        self._unpub: deque = deque()  # steps sent, ids not published: {"argmax", "self_read"}
+        self._unpub: deque = deque()  # steps sent, ids not published: {"own", "self_read"}
         self._slot = 0  # the logits slot of the next asynchronous step (they alternate)
-        # Set by the engine before each `execute`: (the output rank writes the step's arg-max ids into
-        # its ids buffer, the step's in-flight ids are the previous step's arg-max); see `execute`.
-        self.greedy_hint = (False, False)
-        self.num_self_steps = 0  # steps whose in-flight ids were the output rank's own arg-max
+        # Set by the engine before each `execute` (see `execute`): (what the output rank chooses the
+        # step's ids from: None, the front end samples; True, the arg-max of every row; or one
+        # (seq_id, output position, `SamplingRow.record` bytes) per logits row for its own sampler;
+        # whether the step's in-flight ids are the previous step's own ids, all in row order).
+        self.own_ids_hint: tuple = (None, False)
+        # Whether the engine may give the output rank sampling rows (`rank_sampling_enabled`).
+        self.samples_on_output_rank = self.defers_logits and rank_sampling_enabled()
+        self._rows = RowEncoder()
+        self.num_self_steps = 0  # steps whose in-flight ids were the output rank's own (SYNC_SELF)
+        self.num_rank_sampled_steps = 0  # steps whose ids the output rank drew with its sampler
+        self.num_rank_redrawn_rows = 0  # rows of those its sampler drew again on the host (exact path)
         self._go_pending = False  # the last plan sent waits for a ("go", ids) message
         self._ready_ids: Optional[list] = None  # CPU: ids published with no plan waiting for them
         self._tok_event = None
@@ -372,8 +383,17 @@ class MultiprocExecutor:
         launching, and the wait for its GPU is a host-side poll that watches the workers, see
         `_await_logits_event`) on one GPU node, else on the CPU.
 
+        ``own_ids_hint`` (set before the call, reset by it) makes an asynchronous step one whose ids
+        the output rank chooses (its logits never leave it; `await_ids` instead of `await_logits`):
+        True, the arg-max of every row; a list, one ``(seq_id, output position, record)`` per
+        logits row, which its `Sampler` draws exactly as the front end's would (the caller vouches
+        that the rows need nothing else: `SamplingRow.from_record`). Its second field says that the
+        plan's in-flight rows read the previous step's own ids in row order: when that step is the
+        only unpublished one, this step reads them on the output rank at once (``SYNC_SELF``).
+
         Raises:
             EngineDeadError: a worker failed, exited or timed out (now or earlier).
+            ValueError: a list of sampling rows that does not match the plan's logits rows.
         """
         with self._lock:
             if self.defers_logits:
@@ -395,9 +415,18 @@ class MultiprocExecutor:
             n_rows += len(s.token_ids) if s.all_logits else (1 if s.sample else 0)
             inflight = inflight or s.inflight_row >= 0
         handle = self._tok_handle
-        argmax, from_argmax = self.greedy_hint
-        self.greedy_hint = (False, False)
-        if inflight and from_argmax and len(self._unpub) == 1 and self._unpub[0]["argmax"]:
+        own, from_own = self.own_ids_hint
+        self.own_ids_hint = (None, False)
+        if isinstance(own, list):
+            if len(own) != n_rows:
+                raise ValueError(f"{len(own)} sampling rows for a plan of {n_rows} logits rows")
+            if own:
+                own = self._rows.encode(own)
+                self.num_rank_sampled_steps += 1
+            else:
+                own = True  # nothing to draw: an arg-max step of no rows
+        own = own or False
+        if inflight and from_own and len(self._unpub) == 1 and self._unpub[0]["own"]:
             sync = (SYNC_SELF, True, None, handle)
             self._unpub[0]["self_read"] = True  # its publication must leave the ids buffer alone
             self.num_self_steps += 1
@@ -415,7 +444,7 @@ class MultiprocExecutor:
             self._tok_handle = None  # the output rank keeps the event it opened
         self._ready_ids = None
         slot, self._slot = self._slot, self._slot ^ 1
-        data = pickle.dumps(("step", self._encoder.encode(plan), self.logits_mode, sync, (slot, argmax)),
+        data = pickle.dumps(("step", self._encoder.encode(plan), self.logits_mode, sync, (slot, own)),
                             protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self._plan_conns:
             try:
@@ -424,13 +453,14 @@ class MultiprocExecutor:
                 self._wait_for([conn], 5.0)  # collects the worker's error text if it left one
                 self._die("a worker closed its pipe")
         self._go_pending = sync is not None and sync[0] == SYNC_GO
-        self._unpub.append({"argmax": argmax, "self_read": False})
+        own = own is not False
+        self._unpub.append({"own": own, "self_read": False})
         buf = self._logits_buf
         if buf is not None and n_rows <= buf.shape[1]:
             logits = buf[slot, :n_rows]
         else:
             logits = torch.empty((n_rows, self.spec.cfg.vocab_size), dtype=torch.float32)
-        self._sent.append([n_rows, logits, False, slot, argmax])
+        self._sent.append([n_rows, logits, False, slot, own])
         if timer is not None:
             self._last_return = time.perf_counter()
             timer.add("send", self._last_return - t0)
@@ -443,18 +473,20 @@ class MultiprocExecutor:
 
         Raises:
             EngineDeadError: a worker failed, exited or timed out.
-            RuntimeError: no step is waiting, or it is an arg-max step (`await_ids`).
+            RuntimeError: no step is waiting, or its ids are the output rank's (`await_ids`).
         """
         return self._await_step(False)
 
-    def await_ids(self) -> list[int]:
-        """For an arg-max step (``greedy_hint`` asked for it): wait for the oldest step not yet
-        awaited and return its ids, one per logits row (the output rank's ``argmax(-1)`` of them),
+    def await_ids(self) -> tuple[list[int], list[int]]:
+        """For a step whose ids the output rank chooses (``own_ids_hint`` asked for it): wait for the
+        oldest step not yet awaited and return (its ids, one per logits row: the output rank's
+        ``argmax(-1)`` or its sampler's draw; the rows its sampler drew again on the host, ascending:
+        they were -1 in its ids buffer, so a step that read them there computed a wrong input)
         instead of logits, which never leave the output rank.
 
         Raises:
             EngineDeadError: a worker failed, exited or timed out.
-            RuntimeError: no step is waiting, or it is not an arg-max step.
+            RuntimeError: no step is waiting, or its ids are not the output rank's.
         """
         return self._await_step(True)
 
@@ -466,19 +498,21 @@ class MultiprocExecutor:
             while True:
                 if not self._sent:
                     raise RuntimeError("no step sent (execute) and not awaited")
-                n_rows, logits, orphan, slot, argmax = self._sent.popleft()
-                if not orphan and argmax != want_ids:
-                    raise RuntimeError(f"the step {'is' if argmax else 'is not'} an arg-max step: "
-                                       f"use {'await_ids' if argmax else 'await_logits'}")
+                n_rows, logits, orphan, slot, own = self._sent.popleft()
+                if not orphan and own != want_ids:
+                    raise RuntimeError(f"the step's ids {'are' if own else 'are not'} the output rank's: "
+                                       f"use {'await_ids' if own else 'await_logits'}")
                 msg, raw = self._next_message(MSG_OK)
                 _, shape, _rows, in_buffer = msg
                 if shape[0] != n_rows:
                     self._die(f"the output worker answered {shape[0]} logits rows, the plan has {n_rows}")
-                if argmax:
-                    ids = self._next_message(MSG_IDS)[0][1]
+                if own:
+                    _, ids, redrawn = self._next_message(MSG_IDS)[0]
                     if len(ids) != n_rows:
                         self._die(f"the output worker sent {len(ids)} ids for {n_rows} rows")
-                    result = ids
+                    if not orphan:
+                        self.num_rank_redrawn_rows += len(redrawn)
+                    result = (ids, redrawn)
                 elif in_buffer:
                     if not orphan:
                         self._await_logits_event(slot)
@@ -516,8 +550,8 @@ class MultiprocExecutor:
                 raise RuntimeError("publish_tokens without an unpublished step")
             step = self._unpub.popleft()
             if step["self_read"]:
-                tokens = None  # the next step read the output rank's own arg-max ids (SYNC_SELF)
-                if step["argmax"]:
+                tokens = None  # the next step read the output rank's own ids (SYNC_SELF)
+                if step["own"]:
                     # Nothing was read out of the shared buffers: no device work at all here (this
                     # process's kernels would time-slice the output rank's GPU, module docstring).
                     return
@@ -564,7 +598,7 @@ class MultiprocExecutor:
         self._ready_ids = None
 
     def _stash_answer(self, msg) -> bool:
-        """Keep a step answer or an arg-max step's ids read from the output rank's pipe ahead of
+        """Keep a step answer or an own step's ids read from the output rank's pipe ahead of
         their `await_logits` / `await_ids` (while collecting step timing, or polling an earlier
         step's event: with ``SYNC_SELF`` the output rank runs a step ahead), with the logits bytes
         that follow an answer on the pipe. False when ``msg`` is neither (or no step is due)."""
@@ -585,7 +619,7 @@ class MultiprocExecutor:
     def _next_message(self, kind: str) -> tuple:
         """(the output rank's next message of ``kind``, `MSG_OK` or `MSG_IDS`; the logits bytes that
         followed an answer if they were read with it, else None). Kept ones come first; the other
-        kind met on the way is kept (an arg-max step's ids may come after the next step's answer)."""
+        kind met on the way is kept (an own step's ids may come after the next step's answer)."""
         for i, (msg, raw) in enumerate(self._stash):
             if msg[0] == kind:
                 return self._stash.pop(i)

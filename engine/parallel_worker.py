@@ -73,10 +73,13 @@ LOGITS_EVENT = 2  # the shared CUDA buffer, answered after launch; the front end
 # Asynchronous tensor-parallel steps (`MultiprocExecutor.defers_logits`): a "step" message's fourth
 # field is None (a settled plan) or (kind, broadcast, ids, event handle), see `InputSync`.
 MSG_GO = "go"
-MSG_IDS = "ids"  # ("ids", list[int]): an arg-max step's ids, sent by the output rank once they exist
+# ("ids", list[int], redrawn rows): the ids of a step the output rank chose itself (arg-max or its own
+# sampler, `Worker.own_step`), sent once they exist; redrawn rows: those its sampler drew again on
+# the host (they were -1 in its ids buffer, which the next step may have read).
+MSG_IDS = "ids"
 SYNC_EVENT = 1  # the sampled ids are published: the output rank's stream waits on the front end's event
 SYNC_GO = 2  # the output rank first waits for ("go", ids or None): the ids are published after this plan
-SYNC_SELF = 3  # the ids are the output rank's own arg-max of the previous step (all its rows greedy)
+SYNC_SELF = 3  # the ids are the output rank's own choice of the previous step (arg-max or its sampler)
 
 
 class StopRequested(Exception):
@@ -118,6 +121,13 @@ def single_gpu_prefill_buckets(max_num_tokens: int) -> Optional[list[int]]:
     except ValueError as e:
         logger.warning("%s; prefill steps are not padded (one GPU would capture no prefill graphs)", e)
         return None
+
+
+def rank_sampling_enabled() -> bool:
+    """``KVPILOT_TP_RANK_SAMPLING`` (default 1): with asynchronous tensor-parallel steps, the output
+    rank draws the tokens of steps whose every request it can sample exactly as the front end would
+    (`Worker.own_step`); 0 leaves those draws to the front end (arg-max steps stay on the output rank)."""
+    return _env_flag("KVPILOT_TP_RANK_SAMPLING")
 
 
 def step_timing_enabled() -> bool:
@@ -245,6 +255,57 @@ class PlanDecoder:
             plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row))
         self._tables = now
         return plan
+
+
+# ---- sampling rows on the pipe ------------------------------------------------------------------
+# A step the output rank samples itself carries one (seq_id, step, record) per logits row: the
+# front end's `SamplingRow.record` bytes, sent only when the output rank does not hold that
+# sequence's record from the previous such step (else None), and the row's output position. Both
+# sides keep exactly the sequences of the last such step, as `PlanEncoder` / `PlanDecoder` do.
+
+
+class RowEncoder:
+    """Front-end half of the sampling-row encoding (see the comment above)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, bytes] = {}
+
+    def encode(self, rows: list[tuple[int, int, bytes]]) -> list[tuple]:
+        """``rows`` (seq_id, step, record) -> list of (seq_id, step, record or None)."""
+        sent = self._sent
+        out, now = [], {}
+        for seq_id, step, rec in rows:
+            prev = sent.get(seq_id)
+            out.append((seq_id, step, None if prev is not None and (prev is rec or prev == rec) else rec))
+            now[seq_id] = rec
+        self._sent = now
+        return out
+
+
+class RowDecoder:
+    """Worker half of the sampling-row encoding: encoded tuples -> ``list[SamplingRow]``, one per
+    logits row, each sequence's row object kept across steps (only its ``step`` changes).
+
+    Raises:
+        KeyError: a row without a record for a sequence the decoder does not hold (out of step).
+        ValueError: a record that needs more than its scalars (`SamplingRow.from_record`).
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+
+    def decode(self, encoded: list[tuple]) -> list:
+        from .sampler_inputs import SamplingRow
+
+        rows = self._rows
+        out, now = [], {}
+        for seq_id, step, rec in encoded:
+            row = rows[seq_id] if rec is None else SamplingRow.from_record(rec)
+            row.step = step
+            now[seq_id] = row
+            out.append(row)
+        self._rows = now
+        return out
 
 
 def stage_layers(num_layers: int, pp_size: int) -> list[tuple[int, int]]:
@@ -510,8 +571,12 @@ class Worker:
         if self.is_output and spec.pp_size == 1 and not spec.multi_node:
             self.tok_buf = torch.zeros(spec.max_batch_size, dtype=torch.int64, device=self.device)
         self.stop_requested = False
-        # Arg-max steps (`argmax_step`): ids copied to the host, sent once their step is done.
-        self.pending_ids: deque = deque()  # (event or None, host ids tensor)
+        # Steps whose ids this rank chooses (`own_step`): ids copied to the host, sent once their
+        # step is done.
+        self.pending_ids: deque = deque()  # (event or None, host ids tensor or the sampler's call)
+        self.sampler = None  # built at the first step this rank samples
+        self.row_decoder = RowDecoder()
+        self.num_sampled_steps = 0  # steps drawn by this rank's sampler (tests, timing)
         self._ids_host = None
         if self.tok_buf is not None and on_gpu:
             self._ids_host = torch.empty((2, spec.max_batch_size), dtype=torch.int64, pin_memory=True)
@@ -530,12 +595,33 @@ class Worker:
             self.runner.set_inflight_tokens(self.tok_buf)
         self.runner.input_sync = InputSync(self, kind, broadcast, ids, conn)
 
-    def argmax_step(self, logits: torch.Tensor, slot: int) -> None:
-        """An arg-max step (every sampled row plain greedy, nothing the front end needs the logits
-        for): write the ids ``logits.argmax(-1)`` into ``tok_buf`` (the next step may read them there,
-        ``SYNC_SELF``) and queue their copy to the host; `flush_ids` sends them as ("ids", list)."""
+    def own_step(self, logits: torch.Tensor, slot: int, rows: Optional[list] = None) -> None:
+        """A step whose ids this rank chooses (nothing the front end needs the logits for): with
+        ``rows`` None an arg-max step (every row plain greedy), else one `SamplingRow` per logits row
+        (temperature, top-k, top-p, min-p, seed and output position only), drawn by
+        the same `Sampler` as the front end's on the same logits, so the same ids. The ids go into
+        ``tok_buf`` (the next step may read them there, ``SYNC_SELF``; -1 where the sampler leaves a
+        row to its exact draw on the host, clamped to 0 where read) and their copy to the host is
+        queued; `flush_ids` sends them as ("ids", list, redrawn rows).
+
+        Raises:
+            ValueError: ``rows`` and the logits have different numbers of rows.
+        """
         n = logits.shape[0]
         ids = self.tok_buf[:n]
+        if rows is not None:
+            if len(rows) != n:
+                raise ValueError(f"the step's plan has {len(rows)} sampling rows for {n} logits rows")
+            if self.sampler is None:
+                from .sampler import Sampler
+
+                self.sampler = Sampler()
+            call = self.sampler.launch(logits, rows)
+            ids.copy_(call.tokens)
+            call.detach()  # host copies queued now; rows it may draw again kept apart from the logits
+            self.pending_ids.append((call.ready, call))
+            self.num_sampled_steps += 1
+            return
         torch.argmax(logits, dim=-1, out=ids)
         if self._ids_host is None:
             self.pending_ids.append((None, ids.clone()))
@@ -547,13 +633,17 @@ class Worker:
         self.pending_ids.append((event, host))
 
     def flush_ids(self, conn, keep: int) -> None:
-        """Send the ids of pending arg-max steps, oldest first, until ``keep`` remain; waits for
-        their steps to finish on the device."""
+        """Send the ids of pending own steps (`own_step`), oldest first, until ``keep`` remain;
+        waits for their steps to finish on the device."""
         while len(self.pending_ids) > keep:
-            event, host = self.pending_ids.popleft()
+            event, ids = self.pending_ids.popleft()
             if event is not None:
                 event.synchronize()
-            conn.send((MSG_IDS, host.tolist()))
+            if isinstance(ids, torch.Tensor):
+                conn.send((MSG_IDS, ids.tolist(), []))
+            else:  # the sampler's call: its read (and the exact draw of rows it left to the host)
+                out = ids.finish()
+                conn.send((MSG_IDS, out.token_ids, ids.redrawn.tolist()))
 
     def poll_ids(self, conn) -> None:
         """While the pipe is empty, send the oldest pending ids as soon as its step is done."""
@@ -703,10 +793,12 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     None, or ``{"logits": reduced buffer, "event": IPC handle of the interprocess event or None}``;
     ``info``: ``{"one_shot_all_reduce": bool}``, whether every rank's tensor-parallel all-reduces, on
     every node, may use the one-shot kernel: `one_shot_everywhere`, which every rank joins);
-    the front end sends pickled ``("step", encoded plan, logits mode, sync, (slot, argmax))``
+    the front end sends pickled ``("step", encoded plan, logits mode, sync, (slot, own))``
     (`PlanEncoder`; `LOGITS_PIPE`, `LOGITS_SYNC` or `LOGITS_EVENT`; ``sync``: None or an asynchronous
-    step's `InputSync` fields; ``slot``: the half of the shared logits buffer; ``argmax``: an arg-max
-    step, answered with ("ids", list) once done instead of logits), ``("go", ids or None)`` (an
+    step's `InputSync` fields; ``slot``: the half of the shared logits buffer; ``own``: False, or a
+    step whose ids the output rank chooses (`Worker.own_step`), True for the arg-max of every row or
+    the `RowEncoder` list of its sampling rows, answered with ("ids", list, redrawn rows) once done
+    instead of logits), ``("go", ids or None)`` (an
     asynchronous step's ids, `SYNC_GO`), ``("timing", reset)`` or ``None`` (stop) as bytes; the output
     rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not ``in_buffer``,
     by the float32 logits as raw bytes; every rank the front end sends plans to (all of them on one
@@ -845,8 +937,11 @@ def _serve(worker: Worker, conn) -> None:
         if msg[0] == MSG_TIMING:
             _answer_timing(worker, conn, msg[1])
             continue
-        _kind, encoded, logits_mode, sync, (slot, argmax) = msg
+        _kind, encoded, logits_mode, sync, (slot, own) = msg
         plan = decoder.decode(encoded)
+        own_rows = None
+        if isinstance(own, list) and worker.is_output:  # decoded at every such step: both ends in step
+            own_rows = worker.row_decoder.decode(own)
         if timer is not None:
             t_plan = clock()
             timer.add("idle", t_recv - t_idle)
@@ -865,10 +960,10 @@ def _serve(worker: Worker, conn) -> None:
         # the next step while the device computes).
         gpu_timing = timer is not None and on_gpu and sync is None
         if not spec.multi_node or output_rank == 0:
-            if worker.is_output and argmax:
+            if worker.is_output and own:
                 # The front end takes the ids, not the logits: nothing is copied out (module docstring).
                 logits, rows = result
-                worker.argmax_step(logits, slot)
+                worker.own_step(logits, slot, own_rows)
                 if device_clock is not None:
                     device_clock.end()
                 conn.send((MSG_OK, tuple(logits.shape), rows, True))

@@ -554,6 +554,12 @@ class _Pending:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
+    @property
+    def ready(self):
+        """The CUDA event recorded after `detach`'s copies (query it to learn, without waiting,
+        whether `finish` would block), or None (not detached, or CPU tensors)."""
+        return self._ready
+
     def finish(self) -> SamplerOutput:
         """The tokens (and log-probabilities) as host lists: the call's one device->host read, plus
         one more only when a fast path handed rows to the exact draw."""

@@ -139,6 +139,31 @@ class SamplingRow:
             self._out_t = torch.cat([self._out_t, new])
         return self._prompt_t, self._out_t
 
+    @classmethod
+    def from_record(cls, rec: bytes, step: int = 0) -> "SamplingRow":
+        """A row with the fixed parameters of ``rec`` (another row's `record`, e.g. sent to another
+        process) and that record cached as its own, so that the sampler reads the same bytes.
+
+        Only records that need nothing but their scalars are accepted: penalties need the token
+        history, a logit bias or allowed ids their token lists, which a record does not hold.
+
+        Raises:
+            ValueError: ``rec`` is not one `RECORD`, or its flags ask for penalties, a bias or allowed ids.
+        """
+        if len(rec) != RECORD.itemsize:
+            raise ValueError(f"a sampling record has {RECORD.itemsize} bytes, got {len(rec)}")
+        r = np.frombuffer(rec, dtype=RECORD)[0]
+        if int(r["flags"]):
+            raise ValueError("a sampling record with penalties, logit_bias or allowed_token_ids needs the "
+                             "token lists it does not hold")
+        lp = int(r["logprobs"])
+        row = cls(temperature=float(r["temperature"]), top_k=int(r["top_k"]), top_p=float(r["top_p"]),
+                  min_p=float(r["min_p"]), seed=int(r["seed"]), step=step, logprobs=None if lp < 0 else lp,
+                  repetition_penalty=float(r["repetition"]), frequency_penalty=float(r["frequency"]),
+                  presence_penalty=float(r["presence"]))
+        row.__dict__["_rec"] = bytes(rec)
+        return row
+
     @property
     def needs_processing(self) -> bool:
         """Whether any logits transform applies to this row (masks, bias, penalties)."""

@@ -37,7 +37,7 @@ class _Calls:
         return getattr(self.executor, name)
 
     def __setattr__(self, name, value):
-        if name == "greedy_hint":  # the engine's per-step hint goes to the executor
+        if name == "own_ids_hint":  # the engine's per-step hint goes to the executor
             setattr(self.executor, name, value)
         else:
             super().__setattr__(name, value)
@@ -142,11 +142,15 @@ def test_redrawn_rows_are_rolled_back_on_tp2(tp_llm, monkeypatch):
     _assert_same(_FILTERED, sync, asyn)
 
 
-@pytest.mark.parametrize("greedy", [False, True], ids=["go", "self"])
-def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeypatch, greedy):
+@pytest.mark.parametrize("kind", ["go", "self", "self_sampled"])
+def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeypatch, kind):
     core = tp_llm._core
     core.async_scheduling = True
-    sp = SamplingParams(temperature=0 if greedy else 0.8, seed=3, max_tokens=30, ignore_eos=True)
+    # go: logprobs, the front end samples; self: the output rank's arg-max; self_sampled: its sampler.
+    greedy = kind != "go"
+    sp = SamplingParams(temperature=0 if kind == "self" else 0.8, seed=3, max_tokens=30, ignore_eos=True,
+                        logprobs=1 if kind == "go" else None)
+    sampled0 = core.executor.num_rank_sampled_steps
     req = tp_llm._make_request("Once upon a time", sp, False)
     core.add_request(req)
     for _ in range(4):
@@ -158,7 +162,7 @@ def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeyp
     monkeypatch.setattr(core, "_resolve_inflight", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     with pytest.raises(RuntimeError, match="boom"):
         core.step()  # the next plan was sent (it waits for ids); then the read failed
-    # Sampled rows: the output rank waits for the front end's ids; greedy ones: it has its own.
+    # Rows with logprobs: the output rank waits for the front end's ids; the others: it has its own.
     assert ex._go_pending != greedy and ex._unpublished == 2
     monkeypatch.setattr(core, "_resolve_inflight", real)
     core.fail_all(RuntimeError("boom"))
@@ -170,6 +174,7 @@ def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeyp
     core.add_request(again)
     _drain(core)
     assert not ex._sent and ex._unpublished == 0
+    assert (ex.num_rank_sampled_steps - sampled0 > 25) == (kind == "self_sampled")  # the output rank drew them
     sync, _ = _run(tp_llm, [("Once upon a time", sp, False)], False)
     assert again.output.result(timeout=0).outputs[0].token_ids == sync[0][0][0][0]
 

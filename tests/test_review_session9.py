@@ -37,7 +37,8 @@ def _g(m: int, **kw) -> SamplingParams:
 
 
 def _s(m: int, seed: int = 1, **kw) -> SamplingParams:
-    """Seeded sampling (the front end samples: ``SYNC_GO`` steps)."""
+    """Seeded sampling: the output rank samples (``SYNC_SELF``) unless a row also asks for
+    logprobs (``logprobs=0``), which the front end's sampler computes (``SYNC_GO`` steps)."""
     return SamplingParams(temperature=0.8, seed=seed, max_tokens=m, ignore_eos=True, **kw)
 
 
@@ -255,7 +256,7 @@ def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
             return real_publish(tokens)
 
         ex.publish_tokens = publish
-        req = llm._make_request("Once upon a time", _s(20), False)
+        req = llm._make_request("Once upon a time", _s(20, logprobs=0), False)
         core.add_request(req)
         try:
             while core.has_work:
@@ -325,7 +326,7 @@ def test_the_first_cause_of_death_is_kept(fresh_llm, monkeypatch):
     """
     llm = fresh_llm
     core, ex = llm._core, llm._executor
-    req = llm._make_request("Once upon a time", _s(30), False)
+    req = llm._make_request("Once upon a time", _s(30, logprobs=0), False)
     core.add_request(req)
     for _ in range(4):
         core.step()
@@ -526,7 +527,7 @@ def test_shutdown_is_not_held_by_a_stuck_step(stories_model_dir, monkeypatch):
     llm = _build(stories_model_dir)
     llm._loop.stop()
     core, ex = llm._core, llm._executor
-    core.add_request(llm._make_request("Once upon a time", _s(30), False))
+    core.add_request(llm._make_request("Once upon a time", _s(30, logprobs=0), False))
     for _ in range(4):
         core.step()
         core.flush_outputs()

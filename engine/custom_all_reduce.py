@@ -34,14 +34,6 @@ Switches (read once, at set-up):
   ``sites * max_tokens * hidden_size * 4`` bytes per GPU (65 sites x 256 x 4096 x 4 = 273 MB for
   Llama-3.1-8B), taken before the KV cache is sized. Should the two ranks read different values,
   both use the smaller.
-- ``KVPILOT_TP_FUSED_ALLREDUCE`` (default 1): at batch 1, fold the one-shot all-reduces of
-  ``o_proj`` and of every ``down_proj`` but the last layer's into the decode GEMVs around them
-  (`CustomAllReduce.fold`; engine/llama.py, `ParallelContext.fold_all_reduce`; kernels/gemv.py,
-  "Folded all-reduce"): the GEMV that computes a partial pushes it straight into the peer's receive
-  buffer and the next RMSNorm->GEMV sums it as it reads its input, so 64 of a 32-layer model's 65
-  all-reduce kernels per decode step are gone, and the results are bit for bit those of the separate
-  kernel. 0 keeps one all-reduce kernel per call site. Unless both ranks leave it on, both keep the
-  separate kernels.
 """
 
 from __future__ import annotations
@@ -64,11 +56,6 @@ DEFAULT_MAX_BYTES = 512 << 20
 def custom_all_reduce_enabled() -> bool:
     """``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1; module docstring)."""
     return os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE", "1") not in ("0", "false", "False", "no", "")
-
-
-def fused_all_reduce_enabled() -> bool:
-    """``KVPILOT_TP_FUSED_ALLREDUCE`` (default 1; module docstring)."""
-    return os.environ.get("KVPILOT_TP_FUSED_ALLREDUCE", "1") not in ("0", "false", "False", "no", "")
 
 
 def custom_all_reduce_max_tokens(num_sites: int = 1, hidden_size: int = 1) -> int:
@@ -109,17 +96,13 @@ class CustomAllReduce:
 
     recv: ``[num_sites, site_numel]`` float32, this rank's receive buffers (symmetric memory).
     peer_recv: the same shape, the peer's buffers mapped into this process.
-    fold: whether the model may fold all-reduces into its batch-1 GEMVs (``KVPILOT_TP_FUSED_ALLREDUCE``,
-        agreed by both ranks in `create`; `ParallelContext.fold_all_reduce`).
     """
 
-    def __init__(self, recv: torch.Tensor, peer_recv: torch.Tensor, fold: bool = False) -> None:
+    def __init__(self, recv: torch.Tensor, peer_recv: torch.Tensor) -> None:
         self.recv = recv
         self.peer_recv = peer_recv
         self.num_sites, self.site_numel = recv.shape
-        self.fold = fold
         self.calls = 0  # kernels launched (captured launches count once); tests read it
-        self.folded = 0  # all-reduces folded into GEMVs (pushes launched, likewise); tests read it
 
     def fits(self, x: torch.Tensor, site: int) -> bool:
         """True when the one-shot kernel takes ``x`` at ``site``: on CUDA, contiguous, at most
@@ -131,23 +114,6 @@ class CustomAllReduce:
         """Sum ``x`` over the two ranks in place (`two_rank_all_reduce`); returns ``x``."""
         self.calls += 1
         return two_rank_all_reduce(x, self.recv[site], self.peer_recv[site])
-
-    def site_recv(self, site: int, numel: int) -> torch.Tensor:
-        """This rank's receive buffer of ``site``: its first ``numel`` elements (float32, a view), for
-        a folded all-reduce's pull (the input's site) or reset (an earlier site). ValueError when the
-        site or size is out of range."""
-        self._check_site(site, numel)
-        return self.recv[site, :numel]
-
-    def site_peer_recv(self, site: int, numel: int) -> torch.Tensor:
-        """The peer's receive buffer of ``site`` (mapped here): its first ``numel`` elements, for a
-        folded all-reduce's push. ValueError when the site or size is out of range."""
-        self._check_site(site, numel)
-        return self.peer_recv[site, :numel]
-
-    def _check_site(self, site: int, numel: int) -> None:
-        if not (0 <= site < self.num_sites and 0 < numel <= self.site_numel):
-            raise ValueError(f"site {site} / {numel} elements outside {self.num_sites} sites of {self.site_numel}")
 
     @classmethod
     def create(cls, group, tp_rank: int, tp_size: int, device: torch.device, num_sites: int,
@@ -170,14 +136,13 @@ class CustomAllReduce:
         numel = custom_all_reduce_max_tokens(num_sites, hidden_size) * hidden_size if enabled else 0
         index = device.index if device.index is not None else torch.cuda.current_device()
         # 1. Both ranks' switches, sizes and GPUs.
-        rows = _exchange(group, tp_rank, device, [int(enabled), numel, index, int(fused_all_reduce_enabled())])
+        rows = _exchange(group, tp_rank, device, [int(enabled), numel, index])
         if not all(r[0] for r in rows):
             logger.info("tp rank %d: one-shot all-reduce off on tp rank(s) %s (KVPILOT_TP_CUSTOM_ALLREDUCE=0, or "
                         "ROCm); NCCL sums every all-reduce", tp_rank, [i for i, r in enumerate(rows) if not r[0]])
             return None
         numel = min(r[1] for r in rows)
         peer_index = rows[1 - tp_rank][2]
-        fold = all(r[3] for r in rows)  # KVPILOT_TP_FUSED_ALLREDUCE on both ranks
         # 2. Local set-up: peer access, then the buffer.
         os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # module docstring; read by PyTorch at set-up
         os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
@@ -208,8 +173,8 @@ class CustomAllReduce:
             logger.warning("tp rank %d: one-shot all-reduce unavailable (rendezvous: %s); NCCL sums every "
                            "all-reduce", tp_rank, reason or "failed on the other rank; its log says why")
             return None
-        logger.info("tp rank %d: one-shot all-reduce for up to %d elements at %d sites (%.1f MB)%s", tp_rank,
-                    numel, num_sites, local.numel() * 4 / 1e6, ", folded into the batch-1 GEMVs" if fold else "")
-        car = cls(local.view(num_sites, numel), peer.view(num_sites, numel), fold=fold)
+        logger.info("tp rank %d: one-shot all-reduce for up to %d elements at %d sites (%.1f MB)", tp_rank,
+                    numel, num_sites, local.numel() * 4 / 1e6)
+        car = cls(local.view(num_sites, numel), peer.view(num_sites, numel))
         car._handle = handle  # keeps the mapping alive
         return car

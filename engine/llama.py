@@ -48,7 +48,7 @@ see that module.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -101,13 +101,6 @@ class ParallelContext:
     (`kvpilot.engine.custom_all_reduce.CustomAllReduce`, the one-shot kernel of two GPUs) or None
     (NCCL / gloo only). Each row-parallel call site takes a site number from `new_site` when the
     model is built; the one-shot kernel keeps one receive buffer per site.
-
-    Folded all-reduces (``custom_all_reduce.fold``, ``KVPILOT_TP_FUSED_ALLREDUCE``): at batch 1 a
-    decoder layer (`LlamaDecoderLayer._forward_fused`) may fold a site's one-shot all-reduce into the
-    GEMVs around it (kernels/gemv.py, "Folded all-reduce"): `fold_all_reduce` says when,
-    `plan_fold` tells `row_parallel` what its GEMV does for a site (push its partial to the peer
-    instead of reducing it; reset an earlier site's buffer), `fold_recv` gives the consumer its pull
-    buffer, and `pushed` / `take_pushed` hand an unreduced ``down_proj`` output to the next layer.
     """
 
     tp_rank: int = 0
@@ -115,61 +108,11 @@ class ParallelContext:
     tp_group: Optional[object] = None
     custom_all_reduce: Optional[object] = None
     num_sites: int = 0
-    _plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # site -> (push, reset)
-    _pushed: Optional[int] = field(default=None, init=False, repr=False, compare=False)  # `pushed`
 
     def new_site(self) -> int:
         """A fresh all-reduce call-site number (0, 1, 2, ... in model-building order)."""
         self.num_sites += 1
         return self.num_sites - 1
-
-    # ---- folded all-reduces (class docstring) -----------------------------------------------------
-    @property
-    def may_fold(self) -> bool:
-        """Whether any all-reduce may be folded (two ranks, the one-shot kernel, ``fold`` on): the
-        set-up alone; `fold_all_reduce` decides per forward pass."""
-        return self.tp_size == 2 and bool(getattr(self.custom_all_reduce, "fold", False))
-
-    def fold_all_reduce(self, x: torch.Tensor, *sites: int) -> bool:
-        """Whether a decoder layer with hidden states ``x`` ``[T, hidden]`` folds the all-reduces of
-        ``sites`` into its GEMVs: two ranks, the one-shot kernel with ``fold`` on, one row (batch-1
-        decode), every GEMV dispatcher on its Triton kernel (`kernels.gemv.takes_triton`) and ``x``
-        small enough for the sites' buffers. Shapes and set-up only, so both ranks decide alike."""
-        car = self.custom_all_reduce
-        return (self.may_fold and x.dim() == 2 and x.shape[0] == 1
-                and all(KG.takes_triton(x, op) for op in ("plain", "rmsnorm", "silu"))
-                and all(car.fits(x, s) for s in sites))
-
-    def is_last_site(self, site: int) -> bool:
-        """Whether no site was numbered after ``site``: the model takes its embedding's site before its
-        layers' (LlamaForCausalLM), so a layer's ``down_proj`` site is the last one exactly when that
-        layer is the model's (this pipeline stage's) last, whose output no later GEMV reads."""
-        return site == self.num_sites - 1
-
-    def plan_fold(self, site: int, push: bool, reset: Optional[int]) -> None:
-        """What `row_parallel`'s next call for ``site`` does besides its GEMV: ``push`` its partial
-        into the peer's receive buffer of ``site`` and return it unreduced (the next GEMV pulls it),
-        and/or put the sentinel back into this rank's buffer of the site ``reset`` (whose consumer has
-        finished). Neither: the plan is cleared (the usual reduction)."""
-        if push or reset is not None:
-            self._plans[site] = (push, reset)
-        else:
-            self._plans.pop(site, None)
-
-    def fold_recv(self, site: int, x: torch.Tensor) -> torch.Tensor:
-        """This rank's receive buffer of ``site`` for ``x``'s elements: the pull of a consumer whose
-        input ``x`` is a pushed partial."""
-        return self.custom_all_reduce.site_recv(site, x.numel())
-
-    def pushed(self, site: Optional[int]) -> None:
-        """Record that the output just returned is ``site``'s unreduced partial (None: it is reduced)."""
-        self._pushed = site
-
-    def take_pushed(self, site: int) -> Optional[int]:
-        """``site`` when the input now handed over is that site's unreduced partial (`pushed`), else
-        None; clears the record either way."""
-        got, self._pushed = self._pushed, None
-        return got if got == site else None
 
     def all_reduce(self, x: torch.Tensor, site: Optional[int] = None) -> torch.Tensor:
         """Sum ``x`` over the tensor-parallel group in place (no-op with one rank); returns ``x``.
@@ -199,30 +142,9 @@ class ParallelContext:
 
         Inside a CUDA graph capture the fp32 partial comes from the graph's memory pool like any
         other activation, so it is as static as the 16-bit one it replaces.
-
-        A plan for ``site`` (`plan_fold`) is used up here: ``matmul`` (then :func:`~kvpilot.kernels.gemv.gemv`
-        or :func:`~kvpilot.kernels.gemv.silu_mul_gemv`, which take ``push`` / ``reset``) pushes rank 0's
-        biased / rank 1's partial, which is returned unreduced, and/or resets the planned site.
         """
         if self.tp_size == 1:
             return matmul(x, weight, bias, None)
-        plan = self._plans.pop(site, None) if site is not None else None
-        if plan is not None:
-            push, reset = plan
-            car, n = self.custom_all_reduce, x.shape[0] * weight.shape[0]
-            if not (reduce_fp32 and x.dtype in _HALF_DTYPES):
-                part = matmul(x, weight, bias if self.tp_rank == 0 else None, None,
-                              push=car.site_peer_recv(site, n) if push else None,
-                              reset=car.site_recv(reset, n) if reset is not None else None)
-                if push:
-                    car.folded += 1
-                    return part
-                return self.all_reduce(part, site)
-            if push:  # `LlamaDecoderLayer._forward_fused` never plans a push here
-                raise ValueError(f"site {site}: a folded all-reduce needs 16-bit partials (KVPILOT_TP_REDUCE_FP32=0)")
-            from .kernels.allreduce import fill_sentinel
-
-            fill_sentinel(car.site_recv(reset, n))
         if reduce_fp32 and x.dtype in _HALF_DTYPES:
             part = matmul(x, weight, None, torch.float32)
             self.all_reduce(part, site)
@@ -358,43 +280,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
     def _forward_fused(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
-        # Folded all-reduces (ParallelContext): at batch 1 on two GPUs, o_proj pushes its partial to
-        # the peer and the post-attention RMSNorm->GEMV pulls the peer's; down_proj likewise into the
-        # next layer's input RMSNorm->GEMV, except in the model's last layer (the final norm is no
-        # GEMV). Each buffer is reset by the next producer GEMV, after its consumer has finished:
-        # o_proj resets the previous layer's down_proj site, down_proj this layer's o_proj site.
-        attn, mlp, pc = self.self_attn, self.mlp, self.self_attn.pc
-        o_site, down_site = attn.ar_site, mlp.ar_site
-        may_fold = pc.may_fold  # False on one GPU, with NCCL, with KVPILOT_TP_FUSED_ALLREDUCE=0
-        fold, pulled, pull = False, None, None
-        if may_fold:
-            fp32_reduce = (attn.reduce_fp32 or mlp.reduce_fp32) and hidden.dtype in _HALF_DTYPES
-            fold = not fp32_reduce and pc.fold_all_reduce(hidden, o_site, down_site)
-            pulled = pc.take_pushed(o_site - 1)  # hidden is the previous layer's down_proj partial
-            if pulled is not None:
-                pull = pc.fold_recv(pulled, hidden)
+        attn, mlp = self.self_attn, self.mlp
         ln, qkv_proj = self.input_layernorm, attn.qkv_proj
         if residual is None:
-            if pull is not None:
-                raise RuntimeError("a pushed partial as the first layer's input")
             residual = hidden
             qkv = KG.rmsnorm_gemv(hidden, None, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
         else:
-            qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias,
-                                            pull=pull)
-        if may_fold:
-            pc.plan_fold(o_site, push=fold, reset=pulled)
+            qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
         hidden = attn.attend(positions, qkv, meta, kv_cache, cos_sin_cache, fused_gemv=True)
         ln, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
         gate_up, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, gate_up_proj.weight,
-                                            gate_up_proj.bias, pull=pc.fold_recv(o_site, hidden) if fold else None)
-        push_down = fold and not pc.is_last_site(down_site)
-        if may_fold:
-            pc.plan_fold(down_site, push=push_down, reset=o_site if fold else None)
-        out = mlp.down(gate_up, fused_gemv=True)
-        if may_fold:
-            pc.pushed(down_site if push_down else None)
-        return out, residual
+                                            gate_up_proj.bias)
+        return mlp.down(gate_up, fused_gemv=True), residual
 
 
 class VocabParallelEmbedding(nn.Module):

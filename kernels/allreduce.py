@@ -17,25 +17,13 @@ sentinel trick is Lamport's, "A New Solution of Dijkstra's Concurrent Programmin
 1974, applied per element); vLLM's custom all-reduce instead uses a flag barrier. One NVLink
 write crosses per element and no round trip is waited for.
 
-Folded into the GEMVs (kernels/gemv.py, "Folded all-reduce"; at batch 1, engine/llama.py): the
-producer GEMV pushes its rounded output (step 2), the next RMSNorm->GEMV spins on its receive buffer
-and sums as it reads (steps 3 and 4 without the reset, `wait_received`), and the sentinel is put back
-(step 4's reset) by the next producer GEMV, which waits for the consumer to finish: ``o_proj``
-resets the previous layer's ``down_proj`` site, ``down_proj`` its own layer's ``o_proj`` site.
-
 Buffer reuse: every call site of a model (embedding, each layer's ``o_proj`` and ``down_proj``)
 has its own receive buffer, used once per forward pass. A peer can only write site ``s`` again
-after this rank has pushed its data for a later site, and this rank resets ``s`` before that push
-is visible: with the kernel, the kernel that reset ``s`` has finished before the next push (stream
-order); folded, the reset comes either from a producer GEMV that pushes the next site in the same
-program after a ``fence.acq_rel.sys`` (and the peer, waiting for that whole push, sees every
-program's resets first), or from the last layer's ``down_proj``, followed in stream order by the
-kernel that pushes the last site; a folded site is reset within the forward pass that used it. So
-one buffer per site is enough and no rotation is needed. The argument holds because (a) both ranks
-make the same sequence of calls (`ParallelContext.all_reduce` routes by the tensor's size alone and
-`ParallelContext.fold_all_reduce` folds by shapes alone, and every forward pass uses all of a model's
-sites, at least two, in the same order: with one site used twice in a row a peer could write it
-before this rank's reset);
+after this rank has pushed its data for a later site, i.e. after the kernel that reset site ``s``
+has finished (stream order), so one buffer per site is enough and no rotation is needed. The
+argument holds because (a) both ranks make the same sequence of calls (`ParallelContext.all_reduce`
+routes by the tensor's size alone, and every forward pass uses all of a model's sites, at least two,
+in the same order: with one site used twice in a row a peer could write it before this rank's reset);
 (b) every kernel launched with PDL between two calls waits for its predecessor before it finishes
 (kernels/pdl.py's rule), so "finished" is transitive along the stream. A grid larger than what a GPU
 holds at once (about 2,100 programs of 4 warps on an H200; `block_size` keeps every grid at
@@ -92,47 +80,6 @@ def _two_rank_all_reduce_kernel(x_ptr, out_ptr, recv_ptr, peer_recv_ptr, n,
         pending = tl.sum(((got.to(tl.int32, bitcast=True) == sentinel) & mask).to(tl.int32), axis=0)
     tl.store(out_ptr + offs, (x + got).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(recv_ptr + offs, sentinel.to(tl.float32, bitcast=True), mask=mask)
-
-
-@triton.jit
-def wait_received(recv_ptrs, mask):
-    """The float32 values at ``recv_ptrs`` (a 2-D block of one rank's receive buffer), re-read with
-    volatile loads until no element under ``mask`` is the sentinel: the peer's pushes have all landed
-    (each element is its own flag). Masked-off elements read 0.0. For kernels that pull an
-    all-reduce's input (kernels/gemv.py, the RMSNorm prologue); call it after `pdl_wait`."""
-    got = tl.load(recv_ptrs, mask=mask, other=0.0, volatile=True)
-    empty = (got.to(tl.int32, bitcast=True) == _SENTINEL) & mask
-    pending = tl.sum(tl.sum(empty.to(tl.int32), axis=1), axis=0)
-    while pending > 0:
-        got = tl.load(recv_ptrs, mask=mask, other=0.0, volatile=True)
-        empty = (got.to(tl.int32, bitcast=True) == _SENTINEL) & mask
-        pending = tl.sum(tl.sum(empty.to(tl.int32), axis=1), axis=0)
-    return got
-
-
-@triton.jit
-def push_value(y):
-    """``y`` (already rounded to the output dtype) as the float32 a producer pushes into the peer's
-    receive buffer: -0.0 becomes +0.0, so that no real value looks empty."""
-    v = y.to(tl.float32)
-    return tl.where(v == 0.0, 0.0, v)
-
-
-@triton.jit
-def sentinel_like(y):
-    """A float32 block of ``y``'s shape, every element the sentinel (an empty receive buffer)."""
-    return tl.full(y.shape, _SENTINEL, tl.int32).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def fence_acq_rel_sys(FENCE: tl.constexpr):
-    """``fence.acq_rel.sys`` in every thread (no-op unless ``FENCE``; never under the CPU interpreter,
-    which has no inline assembly and runs each store at once): the thread's earlier memory accesses,
-    and those it has observed, are ordered before its later ones for every observer, the peer GPU
-    included."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 def empty_receive_buffer(numel: int, device) -> torch.Tensor:

@@ -48,30 +48,6 @@ product.
 
 Launch configurations: ``CONFIGS`` / ``gemv_config``; docs/kernels.md ("Fused decode GEMV") has
 the H200 measurements behind them.
-
-Folded all-reduce (tensor parallelism 2 at batch 1; engine/llama.py, ``KVPILOT_TP_FUSED_ALLREDUCE``):
-the one-shot all-reduce of kernels/allreduce.py between a row-parallel GEMV and the next RMSNorm->GEMV
-can be split over those two kernels instead of running as a kernel of its own (compile-time switches,
-off by default, so every other launch is compiled as before):
-
-- ``push`` (``gemv``, ``silu_mul_gemv``; the producer): besides storing ``y`` (rounded to its dtype)
-  as usual, the epilogue stores ``float32(y)`` (-0.0 as +0.0) into the peer's receive buffer of this
-  call site at ``y``'s flat offsets; ``y`` itself is this rank's unreduced partial.
-- ``pull`` (``rmsnorm_gemv``; the consumer): ``x`` is this rank's partial and ``pull`` this rank's
-  receive buffer of that site. After `pdl_wait` (and the early weight tile, which reads only weights)
-  each program spins with volatile loads on the whole row of ``pull`` it needs for the norm pass
-  (`allreduce.wait_received`), then every read of ``x`` (norm pass and K tiles) is
-  ``x_dtype(float32(x) + pull)``: exactly what `two_rank_all_reduce` would have stored into ``x``, so
-  ``h`` and ``y`` are bit for bit the unfolded path's. The tiles' later reads of ``pull`` are plain
-  (L1-cached) loads: within this kernel a line of it only enters an SM's L1 after a spin saw the
-  whole row arrive (loads follow the spin loop in the machine code too), and global memory is coherent
-  across kernel boundaries (no line of an earlier forward pass survives in L1).
-- ``reset`` (producers): the consumer cannot put the sentinel back (all its programs read the buffer
-  until the last one ends), so a later producer does, after `pdl_wait` (which waits for the consumer
-  to have finished): each program stores the sentinel into its own column tiles' elements of
-  ``reset``, and, when it also pushes, orders those stores before its pushes (a CTA barrier, then
-  ``fence.acq_rel.sys`` in every thread; `allreduce.fence_acq_rel_sys`): a peer that has seen this
-  kernel's whole push may write the reset site again (kernels/allreduce.py, "Buffer reuse").
 """
 
 from __future__ import annotations
@@ -88,7 +64,6 @@ try:  # the references and dispatchers work without Triton
     import triton
     import triton.language as tl
 
-    from .allreduce import fence_acq_rel_sys, push_value, sentinel_like, wait_received
     from .pdl import launch_options, pdl_mode, pdl_trigger, pdl_wait
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
@@ -107,7 +82,6 @@ __all__ = [
     "silu_mul_gemv",
     "silu_mul_gemv_ref",
     "silu_mul_gemv_triton",
-    "takes_triton",
 ]
 
 MAX_TRITON_ROWS = 16
@@ -348,24 +322,23 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(
-        w_rows, x_ptr, res_ptr, nw_ptr, pull_ptr, rows, offs_k, rstd, stride_xm, stride_rm,
-        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr,
+        w_rows, x_ptr, res_ptr, nw_ptr, rows, offs_k, rstd, stride_xm, stride_rm,
+        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         # The [BLOCK_N, BLOCK_K] weight tile and the [BLOCK_M, BLOCK_K] activation tile (input
         # dtype) at columns offs_k; the weight load is issued first.
         w = _load(w_rows + offs_k[None, :], (offs_k < K)[None, :], EVEN_K)
-        a = _activation(x_ptr, res_ptr, nw_ptr, pull_ptr, rows, offs_k, rstd, stride_xm, stride_rm, K, PROLOGUE,
-                        HAS_RESIDUAL, PULL, EVEN_K)
+        a = _activation(x_ptr, res_ptr, nw_ptr, rows, offs_k, rstd, stride_xm, stride_rm, K, PROLOGUE,
+                        HAS_RESIDUAL, EVEN_K)
         return w, a
 
     @triton.jit
     def _activation(
-        x_ptr, res_ptr, nw_ptr, pull_ptr, rows, offs_k, rstd, stride_xm, stride_rm,
-        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr,
+        x_ptr, res_ptr, nw_ptr, rows, offs_k, rstd, stride_xm, stride_rm,
+        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         # The [BLOCK_M, BLOCK_K] activation tile at columns offs_k: x, SiLU(gate) * up, or the
-        # RMSNorm of x (+ residual) times the norm weight, in the input dtype. With PULL, x is
-        # first summed with the peer's partial in the receive buffer (`_pulled`).
+        # RMSNorm of x (+ residual) times the norm weight, in the input dtype.
         k_ok = (offs_k < K)[None, :]
         xp = x_ptr + rows[:, None] * stride_xm + offs_k[None, :]
         if PROLOGUE == 2:  # SiLU(gate) * up: gate at column k, up at K + k
@@ -375,8 +348,6 @@ if triton is not None:
             a = (gf * tl.sigmoid(gf) * u).to(g.dtype)
         elif PROLOGUE == 1:  # RMSNorm of h = x (+ residual), times the norm weight
             h = _load(xp, k_ok, EVEN_K)
-            if PULL:
-                h = _pulled(h, _load(pull_ptr + rows[:, None] * K + offs_k[None, :], k_ok, EVEN_K))
             if HAS_RESIDUAL:
                 r = _load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], k_ok, EVEN_K)
                 h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
@@ -389,8 +360,8 @@ if triton is not None:
 
     @triton.jit
     def _activation_vec(
-        x_ptr, res_ptr, nw_ptr, pull_ptr, row, offs, ok, rstd, stride_xm, stride_rm,
-        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr,
+        x_ptr, res_ptr, nw_ptr, row, offs, ok, rstd, stride_xm, stride_rm,
+        K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
     ):  # fmt: skip
         # `_activation` of one row (M = 1) at the 2-D k offsets ``offs`` ([BLOCK_K / VEC, VEC]);
         # ``rstd`` is that row's scalar.
@@ -402,8 +373,6 @@ if triton is not None:
             a = (gf * tl.sigmoid(gf) * u).to(g.dtype)
         elif PROLOGUE == 1:
             h = _load(xp, ok, EVEN_K)
-            if PULL:
-                h = _pulled(h, _load(pull_ptr + row * K + offs, ok, EVEN_K))
             if HAS_RESIDUAL:
                 r = _load(res_ptr + row * stride_rm + offs, ok, EVEN_K)
                 h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
@@ -413,14 +382,6 @@ if triton is not None:
         else:
             a = _load(xp, ok, EVEN_K)
         return a
-
-    @triton.jit
-    def _pulled(x, recv):
-        # The two-rank all-reduce of this rank's partial ``x`` and the peer's (``recv``, float32, as
-        # pushed): summed in float32 and rounded once to x's dtype, as `two_rank_all_reduce` does
-        # (which first turns a -0.0 of its own into +0.0; the sum is the same either way, since the
-        # peer never pushes -0.0).
-        return (x.to(tl.float32) + recv).to(x.dtype)
 
     @triton.jit
     def _accumulate(acc, a, w, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -435,14 +396,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, pull_ptr, push_ptr, reset_ptr, eps,
+        x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, h_ptr, eps,
         M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, stride_hm,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, VEC: tl.constexpr = 0,
-        PULL: tl.constexpr = False, PUSH: tl.constexpr = False, RESET: tl.constexpr = False,
-        FENCE: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+        USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -466,8 +426,6 @@ if triton is not None:
             offs_r = tl.arange(0, NORM_PAD)
             r_ok = (offs_r < K)[None, :]
             h = tl.load(x_ptr + rows[:, None] * stride_xm + offs_r[None, :], mask=r_ok, other=0.0)
-            if PULL:  # the peer's partial: wait until it has all landed (kernels/allreduce.py)
-                h = _pulled(h, wait_received(pull_ptr + rows[:, None] * K + offs_r[None, :], r_ok))
             if HAS_RESIDUAL:
                 r = tl.load(res_ptr + rows[:, None] * stride_rm + offs_r[None, :], mask=r_ok, other=0.0)
                 h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
@@ -482,8 +440,6 @@ if triton is not None:
                 offs_k = k0 + arange_k
                 k_ok = (offs_k < K)[None, :]
                 h = _load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], k_ok, EVEN_K)
-                if PULL:
-                    h = _pulled(h, wait_received(pull_ptr + rows[:, None] * K + offs_k[None, :], k_ok))
                 if HAS_RESIDUAL:
                     r = _load(res_ptr + rows[:, None] * stride_rm + offs_k[None, :], k_ok, EVEN_K)
                     h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
@@ -501,43 +457,37 @@ if triton is not None:
         first = pid
         if EARLY_W:
             _column_tile(
-                pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pull_ptr, push_ptr, reset_ptr,
-                rows, offs_m, arange_k, rstd, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, VEC, PULL, PUSH, RESET, FENCE, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
             first = pid + tl.num_programs(0)
         for tile in range(first, num_tiles, tl.num_programs(0)):
             _column_tile(
-                tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pull_ptr, push_ptr, reset_ptr,
-                rows, offs_m, arange_k, rstd, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
-                BLOCK_M, BLOCK_N, BLOCK_K, VEC, PULL, PUSH, RESET, FENCE, USE_PDL,
+                BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
 
     @triton.jit
     def _column_tile(
-        tile, w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, pull_ptr, push_ptr, reset_ptr,
-        rows, offs_m, arange_k, rstd, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+        tile, w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+        M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-        PULL: tl.constexpr, PUSH: tl.constexpr, RESET: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):  # fmt: skip
         # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
         # first K tile of weights, already loaded. The next kernel is let in when a program starts
-        # its last tile. RESET / PUSH: the all-reduce folded into this GEMV (module docstring):
-        # the sentinel back into this tile's elements of an earlier site's receive buffer, and
-        # float32(y) into the peer's receive buffer of this site, after a fence (FENCE).
+        # its last tile.
         if tile + tl.num_programs(0) >= num_tiles:
             pdl_trigger(PDL)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.minimum(offs_n, N - 1).to(tl.int64)
-        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-        flat = rows[:, None] * N + cols[None, :]  # y's elements in a receive buffer ([M, N] row-major)
-        if RESET:
-            tl.store(reset_ptr + flat, sentinel_like(flat), mask=y_mask)
         w_rows = w_ptr + cols[:, None] * stride_wn
         if VEC > 0:
             # One row (M = 1), weight tiles loaded as [BLOCK_N, BLOCK_K / VEC, VEC] (a thread's
@@ -552,34 +502,25 @@ if triton is not None:
                 offs = k0 + kk
                 ok = offs < K
                 w = _load(w_rows3 + offs[None, :, :], ok[None, :, :], EVEN_K)
-                a = _activation_vec(x_ptr, res_ptr, nw_ptr, pull_ptr, row, offs, ok, rstd_row, stride_xm, stride_rm,
-                                    K, PROLOGUE, HAS_RESIDUAL, PULL, EVEN_K)
+                a = _activation_vec(x_ptr, res_ptr, nw_ptr, row, offs, ok, rstd_row, stride_xm, stride_rm, K,
+                                    PROLOGUE, HAS_RESIDUAL, EVEN_K)
                 acc += tl.sum(a.to(tl.float32)[None, :, :] * w.to(tl.float32), axis=2)
             out = tl.sum(acc, axis=1)[None, :]
         else:
             out = _tile_2d(
-                w0, HAS_W0, x_ptr, res_ptr, nw_ptr, pull_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
-                PROLOGUE, HAS_RESIDUAL, PULL, USE_DOT, DOT_FP32, EVEN_K, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K,
+                w0, HAS_W0, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                PROLOGUE, HAS_RESIDUAL, USE_DOT, DOT_FP32, EVEN_K, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if HAS_BIAS:
             out += tl.load(b_ptr + cols).to(tl.float32)[None, :]
+        y_mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
-        y = out.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptrs, y, mask=y_mask)
-        if PUSH:
-            if FENCE:
-                # Every thread's resets (its own, and through the barrier the other threads') are
-                # visible before any of its pushes: a peer that has seen this GEMV's whole push may
-                # write the reset site again (module docstring of kernels/allreduce.py).
-                tl.debug_barrier()
-                fence_acq_rel_sys(FENCE)
-            tl.store(push_ptr + flat, push_value(y), mask=y_mask)
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
     @triton.jit
     def _tile_2d(
-        w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, pull_ptr, w_rows, rows, arange_k, rstd, stride_xm,
-        stride_rm, K, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PULL: tl.constexpr,
-        USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+        w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
+        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
         EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
@@ -592,13 +533,13 @@ if triton is not None:
             # Register double buffering: tile t + 1's weight and activation loads are issued
             # before tile t's products, so two tiles per program are in flight.
             w, a = _load_tile(
-                w_rows, x_ptr, res_ptr, nw_ptr, pull_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
-                PROLOGUE, HAS_RESIDUAL, PULL, EVEN_K,
+                w_rows, x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                PROLOGUE, HAS_RESIDUAL, EVEN_K,
             )  # fmt: skip
             for k0 in range(BLOCK_K, K, BLOCK_K):
                 w_next, a_next = _load_tile(
-                    w_rows, x_ptr, res_ptr, nw_ptr, pull_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
-                    PROLOGUE, HAS_RESIDUAL, PULL, EVEN_K,
+                    w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
+                    PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
                 w = w_next
@@ -607,14 +548,14 @@ if triton is not None:
         else:
             k_lo = 0
             if HAS_W0:  # K tile 0 was loaded before the RMSNorm pass
-                a0 = _activation(x_ptr, res_ptr, nw_ptr, pull_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
-                                 PROLOGUE, HAS_RESIDUAL, PULL, EVEN_K)
+                a0 = _activation(x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                                 PROLOGUE, HAS_RESIDUAL, EVEN_K)
                 acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32)
                 k_lo = BLOCK_K
             for k0 in range(k_lo, K, BLOCK_K):
                 w, a = _load_tile(
-                    w_rows, x_ptr, res_ptr, nw_ptr, pull_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
-                    PROLOGUE, HAS_RESIDUAL, PULL, EVEN_K,
+                    w_rows, x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, stride_xm, stride_rm, K,
+                    PROLOGUE, HAS_RESIDUAL, EVEN_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
         if not USE_DOT:
@@ -640,9 +581,6 @@ def _launch(
     eps: float = 0.0,
     config: dict | None = None,
     out_dtype: torch.dtype | None = None,
-    pull: torch.Tensor | None = None,
-    push: torch.Tensor | None = None,
-    reset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if triton is None:
         raise RuntimeError("the Triton GEMV kernels need the triton package")
@@ -657,7 +595,6 @@ def _launch(
     if bias is not None and bias.stride(-1) != 1:
         bias = bias.contiguous()  # the kernel reads bias[n] at b_ptr + n
     m, n = x.shape[0], weight.shape[0]
-    _check_fold(prologue, m, k, n, pull, push, reset)
     cfg = _check_config(config) if config else gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
     if m > cfg["block_m"]:
         raise ValueError(f"{m} rows exceed the launch configuration's block_m={cfg['block_m']}")
@@ -681,9 +618,7 @@ def _launch(
     # The early tile overlaps the norm pass; measured only together with the one-load pass.
     early = bool(cfg.get("early_weight")) and not cfg.get("prefetch") and norm_pad > 0
     _gemv_kernel[grid](
-        x, res, nw, weight, bias if bias is not None else weight, y, hh,
-        pull if pull is not None else y, push if push is not None else y, reset if reset is not None else y,
-        float(eps),
+        x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         USE_DOT=cfg["use_dot"],
@@ -693,32 +628,15 @@ def _launch(
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         NORM_PAD=norm_pad, EARLY_W=early,
         VEC=cfg.get("vec", 0),
-        PULL=pull is not None, PUSH=push is not None, RESET=reset is not None,
-        # Resets ordered before pushes (allreduce.fence_acq_rel_sys; the interpreter stores at once).
-        FENCE=push is not None and reset is not None and not interpret,
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip
     return y, h
 
 
-def _check_fold(prologue: int, m: int, k: int, n: int, pull, push, reset) -> None:
-    """The receive buffers of an all-reduce folded into a launch (module docstring): float32,
-    contiguous, with room for the ``[m, k]`` input (``pull``, RMSNorm prologue only) or the ``[m, n]``
-    output (``push``, ``reset``). ValueError otherwise."""
-    for name, buf, need in (("pull", pull, m * k), ("push", push, m * n), ("reset", reset, m * n)):
-        if buf is None:
-            continue
-        if buf.dtype != torch.float32 or not buf.is_contiguous() or buf.numel() < need:
-            raise ValueError(f"{name} must be a contiguous float32 receive buffer of at least {need} elements, "
-                             f"got {buf.dtype} {tuple(buf.shape)}")
-    if pull is not None and prologue != _RMSNORM:
-        raise ValueError("pull is only for the RMSNorm prologue (rmsnorm_gemv)")
-
-
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
-    out_dtype: torch.dtype | None = None, push: torch.Tensor | None = None, reset: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gemv_ref` for ``M <= MAX_TRITON_ROWS`` rows (same contract,
     ``out_dtype`` included: float32 stores the kernel's fp32 accumulator plus bias unrounded).
@@ -726,18 +644,11 @@ def gemv_triton(
     ``config`` overrides :func:`gemv_config` (benchmarks). Raises ValueError also when the weight is
     not contiguous along K, its dtype differs from ``x``'s, ``M`` exceeds the configuration, or the
     configuration combines options :func:`launch_config` refuses.
-
-    ``push`` / ``reset``: a two-rank all-reduce of the output folded into this launch (module
-    docstring, "Folded all-reduce"): ``push`` is the peer's float32 receive buffer of this output's
-    call site (``float32(y)`` is stored there, -0.0 as +0.0), ``reset`` this rank's receive buffer of
-    an earlier site, read by a kernel that has finished (the sentinel is written back into its first
-    ``M * N`` elements). Both float32, contiguous, at least ``M * N`` elements (ValueError).
     """
     if x.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K], got {tuple(x.shape)}")
     _check_linear(x.shape[1], weight, bias, "gemv")
-    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config, out_dtype=out_dtype, push=push,
-                   reset=reset)[0]
+    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 def rmsnorm_gemv_triton(
@@ -748,7 +659,6 @@ def rmsnorm_gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: dict | None = None,
-    pull: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`rmsnorm_gemv_ref` for ``M <= MAX_TRITON_ROWS``, one launch (same
     contract).
@@ -756,11 +666,6 @@ def rmsnorm_gemv_triton(
     ``h`` is a new tensor (``x`` and ``residual`` are only read: writing ``h`` over them would race
     with the programs still reading them). Errors as :func:`gemv_triton`, plus ValueError on
     mismatched ``x``/``residual``/``norm_weight`` shapes.
-
-    ``pull``: this rank's float32 receive buffer (at least ``M * K`` elements) of the two-rank
-    all-reduce that produces the input: ``x`` is then this rank's partial, and the input is
-    ``x_dtype(float32(x) + pull)`` (what `two_rank_all_reduce` would have written into ``x``), read
-    as the peer's pushes land (module docstring, "Folded all-reduce"). The buffer is left as it is.
     """
     if x.dim() != 2 or tuple(norm_weight.shape) != (x.shape[1],):
         raise ValueError(
@@ -772,22 +677,21 @@ def rmsnorm_gemv_triton(
             f"got {tuple(residual.shape)}, {residual.dtype}"
         )
     _check_linear(x.shape[1], weight, bias, "rmsnorm_gemv")
-    y, h = _launch(_RMSNORM, x, x.shape[1], weight, bias, residual, norm_weight, eps, config, pull=pull)
+    y, h = _launch(_RMSNORM, x, x.shape[1], weight, bias, residual, norm_weight, eps, config)
     return y if residual is None else (y, h)
 
 
 def silu_mul_gemv_triton(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
-    out_dtype: torch.dtype | None = None, push: torch.Tensor | None = None, reset: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`silu_mul_gemv_ref` for ``M <= MAX_TRITON_ROWS``, one launch (same
-    contract, ``out_dtype`` included; ``push`` / ``reset`` as for :func:`gemv_triton`).
+    contract, ``out_dtype`` included).
 
     Errors as :func:`gemv_triton`, plus ValueError on an odd last dimension.
     """
     _check_silu(gate_up, weight, bias)
-    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype,
-                   push=push, reset=reset)[0]
+    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -799,19 +703,6 @@ def _use_triton(x: torch.Tensor, prologue: str) -> bool:
     from . import triton_available
 
     return x.is_cuda and x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS[prologue] and triton_available()
-
-
-def takes_triton(x: torch.Tensor, op: str) -> bool:
-    """Whether the dispatcher of ``op`` ("plain": :func:`gemv`, "rmsnorm", "silu") runs the Triton
-    kernel for the input ``x`` (a CUDA ``[M, K]`` tensor of at most ``FUSED_MAX_ROWS[op]`` rows): the
-    condition for folding an all-reduce into it (``push`` / ``reset`` / ``pull``)."""
-    return _use_triton(x, op)
-
-
-def _fold_on_triton(x: torch.Tensor, op: str, **bufs) -> None:
-    if any(b is not None for b in bufs.values()) and not _use_triton(x, op):
-        raise ValueError(f"{'/'.join(k for k, b in bufs.items() if b is not None)} needs the Triton kernel "
-                         f"(takes_triton(x, {op!r}) is False for {tuple(x.shape)} on {x.device})")
 
 
 def _unfused_rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias=None):
@@ -831,16 +722,11 @@ def _unfused_silu_mul_gemv(gate_up, weight, bias=None, out_dtype=None):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, *, push: torch.Tensor | None = None,
-         reset: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: Triton for CUDA ``x`` of at most ``FUSED_MAX_ROWS["plain"]``
-    rows, else ``F.linear`` (``torch.mm`` with ``out_dtype`` float32). See :func:`gemv_ref`.
-
-    ``push`` / ``reset`` (:func:`gemv_triton`) need the Triton kernel (:func:`takes_triton`;
-    ValueError otherwise)."""
-    _fold_on_triton(x, "plain", push=push, reset=reset)
+    rows, else ``F.linear`` (``torch.mm`` with ``out_dtype`` float32). See :func:`gemv_ref`."""
     if _use_triton(x, "plain"):
-        return gemv_triton(x, weight, bias, out_dtype=out_dtype, push=push, reset=reset)
+        return gemv_triton(x, weight, bias, out_dtype=out_dtype)
     return gemv_ref(x, weight, bias, out_dtype)
 
 
@@ -851,37 +737,30 @@ def rmsnorm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    *,
-    pull: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(Residual add +) RMSNorm + linear: one Triton launch for CUDA inputs of at most
     ``FUSED_MAX_ROWS["rmsnorm"]`` rows; otherwise :func:`kvpilot.kernels.rms_norm` (Triton on CUDA, the
     reference on CPU) followed by ``F.linear``.
 
-    See :func:`rmsnorm_gemv_ref` for shapes, return values and errors; ``pull``
-    (:func:`rmsnorm_gemv_triton`) needs the Triton kernel (:func:`takes_triton`; ValueError otherwise).
+    See :func:`rmsnorm_gemv_ref` for shapes, return values and errors.
     """
-    _fold_on_triton(x, "rmsnorm", pull=pull)
     if _use_triton(x, "rmsnorm"):
-        return rmsnorm_gemv_triton(x, residual, norm_weight, eps, weight, bias, pull=pull)
+        return rmsnorm_gemv_triton(x, residual, norm_weight, eps, weight, bias)
     _check_linear(x.shape[-1], weight, bias, "rmsnorm_gemv")
     return _unfused_rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias)
 
 
 def silu_mul_gemv(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, *, push: torch.Tensor | None = None,
-    reset: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """SiLU-and-mul + linear: one Triton launch for CUDA inputs of at most
     ``FUSED_MAX_ROWS["silu"]`` rows; otherwise :func:`kvpilot.kernels.silu_and_mul` followed by ``F.linear``
     (``torch.mm`` with ``out_dtype`` float32).
 
-    See :func:`silu_mul_gemv_ref` for shapes, ``out_dtype`` and errors; ``push`` / ``reset``
-    (:func:`gemv_triton`) need the Triton kernel (:func:`takes_triton`; ValueError otherwise).
+    See :func:`silu_mul_gemv_ref` for shapes, ``out_dtype`` and errors.
     """
-    _fold_on_triton(gate_up, "silu", push=push, reset=reset)
     if _use_triton(gate_up, "silu"):
-        return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype, push=push, reset=reset)
+        return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype)
     _check_silu(gate_up, weight, bias)
     return _unfused_silu_mul_gemv(gate_up, weight, bias, out_dtype)

@@ -424,33 +424,6 @@ def _gemv(sh: Shard, m):
     return case
 
 
-def _gemv_folded(sh: Shard):
-    """Tensor parallelism 2 at batch 1 with the one-shot all-reduce folded into the GEMVs
-    (kernels/gemv.py, "Folded all-reduce"; engine/llama.py): o_proj and down_proj push their partial
-    into the peer's receive buffer and reset an earlier site's, the next RMSNorm->GEMV pulls."""
-    def case():
-        from kvpilot.kernels import gemv as G
-        from kvpilot.kernels.allreduce import empty_receive_buffer
-
-        x = torch.empty(1, HIDDEN, dtype=BF16)
-        nw = torch.empty(HIDDEN, dtype=BF16)
-        recv, peer, old = (empty_receive_buffer(64 * HIDDEN, "cpu") for _ in range(3))
-        w_qkv = torch.empty((sh.heads + 2 * sh.kv_heads) * HEAD_DIM, HIDDEN, dtype=BF16)
-        w_gate_up = torch.empty(2 * sh.inter, HIDDEN, dtype=BF16)
-        w_o = torch.empty(HIDDEN, sh.heads * HEAD_DIM, dtype=BF16)
-        w_down = torch.empty(HIDDEN, sh.inter, dtype=BF16)
-        G.rmsnorm_gemv_triton(x, torch.empty_like(x), nw, EPS, w_qkv, pull=recv)  # qkv after the previous down
-        a_o = torch.empty(1, sh.heads * HEAD_DIM, dtype=BF16)
-        G.gemv_triton(a_o, w_o, push=peer, reset=old)  # o_proj: push, reset the previous down's site
-        G.gemv_triton(a_o, w_o, push=peer)  # o_proj of the first layer: nothing to reset
-        G.rmsnorm_gemv_triton(x, torch.empty_like(x), nw, EPS, w_gate_up, pull=recv)  # gate_up after o_proj
-        gu = torch.empty(1, 2 * sh.inter, dtype=BF16)
-        G.silu_mul_gemv_triton(gu, w_down, push=peer, reset=old)  # down: push, reset o_proj's site
-        G.silu_mul_gemv_triton(gu, w_down, reset=old)  # the last layer's down: its all-reduce is a kernel
-
-    return case
-
-
 # Sampler rows: (temperature, top_k, top_p, min_p). g = greedy, t = plain temperature, k = top-k,
 # p = top-p, m = min-p, a = all three.
 _ROW_KINDS = {"g": (0.0, 0, 1.0, 0.0), "t": (0.8, 0, 1.0, 0.0), "k": (0.7, 50, 1.0, 0.0),
@@ -601,9 +574,6 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     # Tensor parallelism 2: the one-shot all-reduce (PDL at batch 1, not at 64 tokens)
     out.append(("pdl=1 two-rank all-reduce bf16, 1 token", _with_pdl(1, _all_reduce(1, BF16))))
     out.append(("two-rank all-reduce fp32, 64 tokens", _all_reduce(64, torch.float32)))
-    # ... and folded into the batch-1 GEMVs (push / reset / pull), with and without PDL
-    out.append(("pdl=1 tp=2 gemv M=1 folded all-reduce", _with_pdl(1, _gemv_folded(Shard(2)))))
-    out.append(("tp=2 gemv M=1 folded all-reduce", _gemv_folded(Shard(2))))
     for kinds in ("g", "gttg", "k", "kpma", "gtkpma"):
         out.append((f"sampling draw rows={kinds}", _sampling_draw(kinds)))
     out.append(("sampling draw rows=gkpm pivot fused", _sampling_draw("gkpm", {"pivot_fuse": 1})))

@@ -326,7 +326,9 @@ class LlamaForCausalLM(nn.Module):
 
     ``tp_invariant`` (``KVPILOT_TP_INVARIANT``, read once here; 0 = off) and ``invariant_shards``
     (shards per rank when the layers are `tp_invariant.InvariantDecoderLayer`s, else 0).
-    ``lm_head_shards``: the per-shard LM head matrices when a rank holds several shards, else None.
+    ``lm_head_shards``: the per-shard LM head matrices when a rank holds several shards, else None
+    (with tied embeddings on a stage that also embeds, ``embed_tokens`` reads its rows from them:
+    `tp_invariant.InvariantTiedEmbedding`).
 
     Raises:
         ValueError: a tensor-parallel size or ``KVPILOT_TP_INVARIANT`` the model does not split into.
@@ -343,7 +345,8 @@ class LlamaForCausalLM(nn.Module):
         self.is_first = start == 0
         self.is_last = end == cfg.num_hidden_layers
         # (imported here: kvpilot.tp_invariant builds on this module's layers)
-        from .tp_invariant import InvariantDecoderLayer, tp_invariant_shards, tp_invariant_size
+        from .tp_invariant import (InvariantDecoderLayer, InvariantTiedEmbedding, tp_invariant_shards,
+                                   tp_invariant_size)
 
         self.fused_gemv = fused_gemv_enabled()  # read once: KVPILOT_FUSED_GEMV
         self.tp_invariant = T = tp_invariant_size()  # read once: KVPILOT_TP_INVARIANT
@@ -354,8 +357,15 @@ class LlamaForCausalLM(nn.Module):
         # read once: KVPILOT_TP_REDUCE_FP32 (ignored in tensor-parallel-invariant mode)
         self.tp_reduce_fp32 = tp_reduce_fp32_enabled() and not T
         lm_shards = self.is_last and s > 1
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
-            self.is_first or (self.is_last and cfg.tie_word_embeddings and not lm_shards)) else None
+        self.lm_head_shards = None
+        if lm_shards:  # a TP-T rank's padded [ceil(V / T), hidden] matrix per shard (registered first: names)
+            self.lm_head_shards = nn.ParameterList(
+                nn.Parameter(torch.empty(-(-cfg.vocab_size // T), cfg.hidden_size)) for _ in range(s))
+        if lm_shards and cfg.tie_word_embeddings and self.is_first:  # rows looked up in the LM head shards
+            self.embed_tokens = InvariantTiedEmbedding(self.lm_head_shards, self.pc, self.pc.tp_rank * s)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.pc) if (
+                self.is_first or (self.is_last and cfg.tie_word_embeddings and not lm_shards)) else None
         if self.invariant_shards:
             self.layers = nn.ModuleList(InvariantDecoderLayer(cfg, i, self.pc, T, self.fused_gemv)
                                         for i in range(start, end))
@@ -363,12 +373,8 @@ class LlamaForCausalLM(nn.Module):
             self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.pc, self.fused_gemv, self.tp_reduce_fp32)
                                         for i in range(start, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last else None
-        self.lm_head_shards = None
         self.lm_head = None
-        if lm_shards:  # a TP-T rank's padded [ceil(V / T), hidden] matrix per shard (tied ones copied)
-            self.lm_head_shards = nn.ParameterList(
-                nn.Parameter(torch.empty(-(-cfg.vocab_size // T), cfg.hidden_size)) for _ in range(s))
-        elif self.is_last and not cfg.tie_word_embeddings:
+        if self.is_last and not lm_shards and not cfg.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(-(-cfg.vocab_size // self.pc.tp_size), cfg.hidden_size))
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
 

@@ -24,17 +24,27 @@ every sharded op runs once per shard at that rank's shapes (`InvariantDecoderLay
   one-shot kernel included); with ``t > 1`` and ``T > 2`` the ranks all-gather their partials
   instead of all-reducing. ``KVPILOT_TP_REDUCE_FP32`` is ignored in this mode.
 - LM head (vocabulary parallel, `LlamaForCausalLM.compute_logits`): with ``s > 1`` one
-  ``[ceil(V / T), hidden]`` matrix per shard (zero-padded like a TP-``T`` rank's; with tied
-  embeddings copies of the embedding's rows, so the vocabulary matrix is held twice), products
+  ``[ceil(V / T), hidden]`` matrix per shard (zero-padded like a TP-``T`` rank's), products
   concatenated in shard order. The embedding lookup is exact in any layout and stays the default
-  one. Norms, residual adds, rotary and sampling are replicated and unchanged.
+  one, except that a model with tied embeddings whose stage holds both ends looks its rows up in
+  those LM head shards (`InvariantTiedEmbedding`: no second copy of the vocabulary matrix). Norms,
+  residual adds, rotary and sampling are replicated and unchanged.
 
-What stays different: signed zeros (a two-rank sum of -0.0 and -0.0 is +0.0 in the one-shot
-kernel, -0.0 in a 16-bit add), and batch shapes the runner chooses (TP ranks pad eager prefill
-steps to one GPU's prefill-graph buckets, `model_runner.prefill_padding`, and decode graphs pad
-batches alike; ``KVPILOT_TP_CUDA_GRAPHS=0`` or ``KVPILOT_PREFILL_GRAPHS=0`` on one side only
-changes ``M``). The cost on one GPU with ``T = 2``: per layer every projection is two launches at
-half the width, plus three concatenations, two contiguous copies and two adds.
+The invariance is per step: layouts agree bit for bit when they run the same batches. What stays
+different: signed zeros (a two-rank sum of -0.0 and -0.0 is +0.0 in the one-shot kernel, -0.0 in
+a 16-bit add), and batch shapes (a row's bf16 values depend on its batch's shapes: kernel choices,
+attention splits). The runner keeps those alike across tensor-parallel sizes (TP ranks pad eager
+prefill steps to one GPU's prefill-graph buckets, `model_runner.prefill_padding`, and decode graphs
+pad batches alike; ``KVPILOT_TP_CUDA_GRAPHS=0`` or ``KVPILOT_PREFILL_GRAPHS=0`` on one side only
+changes ``M``), but not: pipeline micro-batches (``P > 1`` cuts a step into up to ``P`` batches
+of its own, so PP 2 matches a one-stage layout only with ``KVPILOT_PP_MICROBATCH=0``), and
+schedules (a KV pool sized from free memory is larger at TP 2 than on one GPU, so one layout may
+preempt or evict cached prefixes where the other does not: fix the pool with
+``KvCacheConfig(max_tokens=)``). The cost on one GPU with ``T = 2``: per layer every projection is
+two launches at half the width, plus three concatenations, two contiguous copies and two adds.
+
+Validation: `check_tp_invariant` (the front end, before any worker starts) and
+`tp_invariant_shards` (every model build) raise ValueError for a bad ``T``.
 """
 
 from __future__ import annotations
@@ -72,11 +82,12 @@ def tp_invariant_size() -> int:
 
 
 def tp_invariant_shards(cfg: ModelConfig, tp_size: int, invariant_size: int) -> int:
-    """Shards per rank ``s = T / t`` of tensor-parallel-invariant size ``T`` at ``tp_size`` ``t``.
+    """Shards per rank ``s = T / t`` (an int >= 1) of tensor-parallel-invariant size ``T``
+    (``invariant_size``, >= 1) at ``tp_size`` ``t``.
 
     Raises:
-        ValueError: ``T`` is not a multiple of ``t``, or does not divide ``num_attention_heads``,
-            ``num_key_value_heads`` or ``intermediate_size``.
+        ValueError: ``T`` is below 1 or not a multiple of ``t``, or does not divide
+            ``num_attention_heads``, ``num_key_value_heads`` or ``intermediate_size``.
     """
     T = invariant_size
     if T < 1 or T % tp_size:
@@ -86,6 +97,20 @@ def tp_invariant_shards(cfg: ModelConfig, tp_size: int, invariant_size: int) -> 
         if n % T:
             raise ValueError(f"KVPILOT_TP_INVARIANT={T} must divide {name} {n}")
     return T // tp_size
+
+
+def check_tp_invariant(cfg: ModelConfig, tp_size: int) -> int:
+    """Validate ``KVPILOT_TP_INVARIANT`` for a model ``cfg`` at ``tensor_parallel_size`` ``tp_size``
+    where the model is not built (a parallel front end, before its workers start, so a bad value
+    fails as it fails on one GPU instead of in every worker). Returns ``T`` (0 = off).
+
+    Raises:
+        ValueError: as `tp_invariant_size` and `tp_invariant_shards`.
+    """
+    T = tp_invariant_size()
+    if T:
+        tp_invariant_shards(cfg, tp_size, T)
+    return T
 
 
 # torch 2.13 renamed all_gather_into_tensor (same signature; the old name warns there).
@@ -123,6 +148,38 @@ def shard_sum(pc: ParallelContext, parts: list[torch.Tensor], invariant_size: in
     return _sum_in_order(list(gathered.unbind(0)))
 
 
+class InvariantTiedEmbedding(nn.Module):
+    """The embedding of a tied model whose stage holds both ends in tensor-parallel-invariant mode
+    with several shards per rank: it reads its rows from the LM head shards (``shards``, the
+    model's ``lm_head_shards``: ``s`` matrices ``[ceil(V / T), hidden]``, shard ``first_shard + j``
+    of a TP-``T`` group at index ``j``; registered on the model first, so the parameters keep those
+    names) instead of holding a second copy of the vocabulary matrix.
+
+    ``forward(ids [n] int64) -> [n, hidden]`` in the shards' dtype: bit for bit
+    `llama.VocabParallelEmbedding`'s result in any layout (each row selected exactly, never summed,
+    on one rank; with several ranks zero rows elsewhere and the same all-reduce).
+    """
+
+    def __init__(self, shards: nn.ParameterList, pc: ParallelContext, first_shard: int) -> None:
+        super().__init__()
+        self.shards = shards
+        self.rows = shards[0].shape[0]
+        self.start = first_shard * self.rows  # first vocabulary row this rank holds
+        self.pc = pc
+        self.ar_site = pc.new_site()  # the embedding's all-reduce, as VocabParallelEmbedding's
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = None
+        for j, w in enumerate(self.shards):
+            local = ids - (self.start + j * self.rows)
+            inside = ((local >= 0) & (local < self.rows)).unsqueeze(-1)
+            rows = nn.functional.embedding(local.clamp(0, self.rows - 1), w)
+            out = rows.masked_fill(~inside, 0) if out is None else torch.where(inside, rows, out)
+        if self.pc.tp_size == 1:
+            return out
+        return self.pc.all_reduce(out, self.ar_site)
+
+
 class InvariantAttention(nn.Module):
     """`LlamaAttention` of tensor-parallel-invariant mode (module docstring): this rank's
     ``num_shards`` shards of a TP-``invariant_size`` group, shard ``first_shard + j`` in ``qkv_shards[j]``
@@ -158,7 +215,7 @@ class InvariantAttention(nn.Module):
     def attend(self, positions, qkv_parts: list[torch.Tensor], meta: AttentionMetadata, kv_cache, cos_sin_cache,
                fused_gemv: bool = False) -> torch.Tensor:
         """`LlamaAttention.attend` over per-shard QKV outputs ``qkv_parts[j]`` ``[T, q_g + 2 * kv_g]``;
-        returns ``[T, hidden]`` (the row-parallel sum of all shards, `ParallelContext.shard_sum`)."""
+        returns ``[T, hidden]`` in ``qkv_parts``' dtype (the row-parallel sum of all shards, `shard_sum`)."""
         n = qkv_parts[0].shape[0]
         qg, kvg = self.shard_q_size, self.shard_kv_size
         if len(qkv_parts) == 1:

@@ -11,7 +11,8 @@ all-reduce, or inside rank 0's GEMM with ``KVPILOT_TP_REDUCE_FP32=0``).
 Tensor-parallel-invariant models (``KVPILOT_TP_INVARIANT``, `tp_invariant.InvariantDecoderLayer`): each of
 a rank's shards ``g`` gets what rank ``g`` of a TP-``T`` group loads, through the same slicing code
 (`_shard_targets`), into its own parameters (``qkv_shards.j``, ``o_shards.j``, ``gate_up_shards.j``,
-``down_shards.j``, ``lm_head_shards.j``).
+``down_shards.j``, ``lm_head_shards.j``; a tied model's embedding, where it reads those LM head shards,
+`tp_invariant.InvariantTiedEmbedding`, has no parameter of its own).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
 
     def vocab_rows(sl, param_name: str, r: int) -> None:
         per = params[param_name].shape[0]
-        lo, hi = r * per, min((r + 1) * per, cfg.vocab_size)
+        # (a tiny vocabulary may leave a last rank or shard no row at all: lo clamped to V)
+        lo, hi = min(r * per, cfg.vocab_size), min((r + 1) * per, cfg.vocab_size)
         put(param_name, sl[lo:hi], slice(0, hi - lo))
         if hi - lo < per:  # padding rows of the last rank never win the arg-max
             params[param_name][hi - lo:].zero_()
@@ -137,7 +139,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             for key in f.keys():
                 sl = f.get_slice(key)
                 if key == "model.embed_tokens.weight":
-                    if model.embed_tokens is not None:
+                    if "embed_tokens.weight" in params:  # (not an InvariantTiedEmbedding: the LM head shards')
                         vocab_rows(sl, "embed_tokens.weight", pc.tp_rank)
                     if cfg.tie_word_embeddings:
                         lm_head_rows(sl)

@@ -188,7 +188,7 @@ def _assert_own_contiguous(tensors: list[torch.Tensor]) -> None:
 def test_shards_hold_what_tp_ranks_load(monkeypatch, tmp_path, tie):
     """TP 2 rank 1 with T = 4 holds shards 2 and 3: TP 4 ranks 2 and 3's tensors, each its own
     contiguous tensor; the whole row-parallel biases; LM head rows (zero-padded past vocab 385,
-    copied from the embedding when tied)."""
+    the embedding's rows when tied, which the embedding then reads)."""
     path = make_gqa_llama(tmp_path / "m", tie=tie)
     _set_invariant(monkeypatch, "4")
     inv = _cpu_runner(path, "float32", 1, 2).model
@@ -214,8 +214,11 @@ def test_shards_hold_what_tp_ranks_load(monkeypatch, tmp_path, tie):
     assert all(torch.equal(a, b) for a, b in zip(inv.lm_head_shards, heads))
     assert inv.lm_head_shards[1][385 - 3 * 97:].abs().sum() == 0  # rank 3's padding rows
     _assert_own_contiguous(list(inv.lm_head_shards))
-    # The embedding stays TP 2's vocabulary split (exact in any layout).
-    assert tuple(inv.embed_tokens.weight.shape) == (193, 64)
+    if tie:  # the embedding reads the LM head shards: no second copy of the vocabulary matrix
+        assert not any("embed" in n for n, _ in inv.named_parameters())
+        assert all(a is b for a, b in zip(inv.embed_tokens.shards, inv.lm_head_shards))
+    else:  # the embedding stays TP 2's vocabulary split (exact in any layout)
+        assert tuple(inv.embed_tokens.weight.shape) == (193, 64)
 
 
 def test_shard_sum_is_left_to_right_in_float32_rounded_once():
@@ -320,7 +323,7 @@ def test_llm_tp1_invariant2_equals_tp2(monkeypatch, gqa_model):
 
 @pytest.mark.parametrize("value,tp2_value", [("2", None), ("4", "4")], ids=["T2-vs-tp2-default", "T4"])
 def test_llm_stories_tp1_invariant_equals_tp2(monkeypatch, stories_model_dir, value, tp2_value):
-    # stories260K: 8 heads / 4 KV heads, intermediate 172, tied embeddings (LM head shards copied).
+    # stories260K: 8 heads / 4 KV heads, intermediate 172, tied embeddings (the embedding reads the LM head shards).
     want = _llm_run(monkeypatch, stories_model_dir, 1, value, tokenizer=True)
     assert _llm_run(monkeypatch, stories_model_dir, 2, tp2_value, tokenizer=True) == want
     assert len(want[0][0]) == 24 and all(len(w[1]) == 24 for w in want)

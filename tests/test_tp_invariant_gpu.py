@@ -2,7 +2,8 @@
 ``KVPILOT_TP_INVARIANT=2`` gives TP 2's greedy tokens and logprobs exactly (engine/tp_invariant.py),
 one request at a time (prefill graphs and padded eager prefill, a 300-token prompt past the graphs, decode
 graphs) and five requests at once (decode graphs at batch 5, mixed steps); one GPU without the mode
-does not. Skipped without two CUDA GPUs. The whole model's figures: ``benchmarks/gpu_tp_greedy.py
+does not. With ``T = 4`` TP 2 (two shards per rank, the all-gather sum) gives one GPU's tokens.
+Skipped without two CUDA GPUs. The whole model's figures: ``benchmarks/gpu_tp_greedy.py
 --invariant 2``."""
 
 from __future__ import annotations
@@ -60,3 +61,9 @@ def test_one_gpu_invariant2_is_tp2_exactly(model_dir, monkeypatch):
     assert inv_together == tp_together
     plain_alone, _ = _run(model_dir, 1, None, monkeypatch)
     assert plain_alone != tp_alone  # without the mode one GPU rounds otherwise (the test has teeth)
+
+
+def test_tp2_with_two_shards_per_rank_is_one_gpu_exactly(model_dir, monkeypatch):
+    """``T = 4``: each of two GPUs holds two shards and the ranks all-gather their partials (NCCL, in
+    decode graphs too); one GPU holds all four. Same tokens and logprobs, alone and together."""
+    assert _run(model_dir, 2, "4", monkeypatch) == _run(model_dir, 1, "4", monkeypatch)

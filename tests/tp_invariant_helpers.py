@@ -13,13 +13,14 @@ from pathlib import Path
 import torch
 
 
-def make_gqa_llama(path: Path, seed: int = 5, vocab: int = 385, bias: bool = True, tie: bool = False) -> Path:
-    """A 2-layer random Llama that splits into 4 tensor-parallel shards: GQA 8 heads / 4 KV heads of 8,
-    hidden 64, intermediate 96 (24 per shard); vocab 385 (not a multiple of 2 or 4: padded LM head
-    shards); random attention and MLP biases (std 0.08, like the matrices)."""
+def make_gqa_llama(path: Path, seed: int = 5, vocab: int = 385, bias: bool = True, tie: bool = False,
+                   layers: int = 2) -> Path:
+    """A random Llama of ``layers`` layers (default 2) that splits into 4 tensor-parallel shards: GQA 8
+    heads / 4 KV heads of 8, hidden 64, intermediate 96 (24 per shard); vocab 385 (not a multiple of 2
+    or 4: padded LM head shards); random attention and MLP biases (std 0.08, like the matrices)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=256,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tie, bos_token_id=1,
                       eos_token_id=2, attention_bias=bias, mlp_bias=bias)  # fmt: skip

@@ -116,7 +116,8 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     """Check that the model splits into ``tp`` x ``pp`` shards (before any process starts).
 
     Raises:
-        ValueError: naming the dimension that does not split.
+        ValueError: naming the dimension that does not split, or a ``KVPILOT_TP_INVARIANT`` the
+            layout cannot take (`tp_invariant.check_tp_invariant`).
     """
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads {cfg.num_attention_heads}")
@@ -125,6 +126,9 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, num_key_value_heads {kv}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {cfg.intermediate_size}")
+    from .tp_invariant import check_tp_invariant  # KVPILOT_TP_INVARIANT, before any worker starts
+
+    check_tp_invariant(cfg, tp)
     stage_layers(cfg.num_hidden_layers, pp)
 
 

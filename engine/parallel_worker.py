@@ -346,6 +346,20 @@ def one_shot_everywhere(worker: Worker) -> bool:
     return bool(flag.item())
 
 
+def check_same_invariant_size(worker: Worker) -> None:
+    """Raise ValueError unless every rank of the world, on every node, built its model with the same
+    ``KVPILOT_TP_INVARIANT`` (engine/tp_invariant.py): ranks that disagree would pair an all-gather
+    with an all-reduce. Collective over the default group, once, after `Worker` is built (pods of a
+    LeaderWorkerSet group read the variable from their own environment)."""
+    size = int(getattr(worker.runner.model, "tp_invariant", 0))
+    span = torch.tensor([size, -size], dtype=torch.int64, device=worker.device)
+    dist.all_reduce(span, op=dist.ReduceOp.MIN)
+    low, high = int(span[0].item()), -int(span[1].item())
+    if low != high:
+        raise ValueError(f"ranks disagree on KVPILOT_TP_INVARIANT: values from {low} to {high} "
+                         f"(this rank: {size}); set the same value on every pod")
+
+
 def split_microbatches(plan: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
     """Cut ``plan`` into at most ``parts`` contiguous, non-empty runs of sequences with balanced token counts.
 
@@ -813,6 +827,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     try:
         worker = Worker(rank, spec)
         one_shot = one_shot_everywhere(worker)  # collective: ranks without a pipe (other pods) join too
+        check_same_invariant_size(worker)  # collective too
         if conn is not None:
             ipc = None
             if worker.logits_buf is not None:

@@ -127,17 +127,15 @@ def test_check_tp_invariant_rejects(monkeypatch, tied_model, value, tp, match):
 
 
 def test_bad_invariant_size_at_tp2_fails_fast_with_its_message(monkeypatch, tied_model):
-    """Until `validate_layout` calls `check_tp_invariant` (a ValueError before any worker starts),
-    the workers raise it and the front end stops with their message: no hang either way."""
+    """`validate_layout` calls `check_tp_invariant`: a ValueError before any worker starts."""
     from kvpilot import LLM
-    from kvpilot.llm import EngineDeadError
 
     _set_invariant(monkeypatch, "3")
     t0 = time.monotonic()
-    with pytest.raises((ValueError, EngineDeadError), match="KVPILOT_TP_INVARIANT=3 must be a multiple of "
-                                                             "tensor_parallel_size 2"):
+    with pytest.raises(ValueError, match="KVPILOT_TP_INVARIANT=3 must be a multiple of "
+                                         "tensor_parallel_size 2"):
         LLM(str(tied_model), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True, max_seq_len=64)
-    assert time.monotonic() - t0 < 120
+    assert time.monotonic() - t0 < 30
 
 
 # ---- tiny vocabularies --------------------------------------------------------------------------------
@@ -203,3 +201,52 @@ def test_pp2_without_microbatches_is_tp1_bit_for_bit(monkeypatch, deep_model):
     assert _same(_llm_run(monkeypatch, deep_model, 1, 2, "2", micro=False), want)
     # The mode matters (bf16 rounding of TP 2's decomposition), so the comparison has teeth.
     assert not _same(_llm_run(monkeypatch, deep_model, 1, 1, None), want)
+
+
+# ---- every rank must build with the same T --------------------------------------------------------------
+
+
+def _invariant_agreement_rank(rank: int, port: int, sizes: list, out) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from kvpilot.parallel_worker import check_same_invariant_size
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        worker = types.SimpleNamespace(device=torch.device("cpu"),
+                                       runner=types.SimpleNamespace(model=types.SimpleNamespace(tp_invariant=sizes[rank])))
+        try:
+            check_same_invariant_size(worker)
+            out.put((rank, "ok"))
+        except ValueError as e:
+            out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [0, 2]])
+def test_ranks_that_disagree_on_the_invariant_size_refuse_to_start(sizes):
+    """Pods of a LeaderWorkerSet group read KVPILOT_TP_INVARIANT from their own environment: ranks
+    built with different values would pair an all-gather with an all-reduce, so every rank raises."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_invariant_agreement_rank, args=(r, port, sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(30)
+    if sizes[0] == sizes[1]:
+        assert got == {0: "ok", 1: "ok"}
+    else:
+        assert all("ranks disagree on KVPILOT_TP_INVARIANT: values from 0 to 2" in got[r] for r in (0, 1))
+        assert "this rank: 0" in got[0] and "this rank: 2" in got[1]

@@ -356,7 +356,7 @@ def test_the_first_cause_of_death_is_kept(fresh_llm, monkeypatch):
 _MID_FLIGHT = {
     "sampled_arrives_and_leaves": {
         0: [("add", "g1", "Once upon a time", _g(40)), ("add", "g2", "The dog", _g(45))],
-        5: [("add", "s", "Tom and Sue", _s(8))], 20: [("add", "s2", "She", _s(4, seed=9))]},
+        5: [("add", "s", "Tom and Sue", _s(8, logprobs=0))], 20: [("add", "s2", "She", _s(4, seed=9))]},
     "eos_and_stop_ids_while_others_run": {
         0: [("add", "g1", "Once upon a time", _g(40)),
             ("add", "e", "She was sad", SamplingParams(temperature=0, max_tokens=30, end_id=426))],
@@ -499,7 +499,7 @@ def test_shutdown_while_requests_run(stories_model_dir, greedy):
 
     def gen():
         try:
-            res["out"] = llm.generate(["Once upon a time", "The dog"], _g(400) if greedy else _s(400), use_tqdm=False)
+            res["out"] = llm.generate(["Once upon a time", "The dog"], _g(400) if greedy else _s(400, logprobs=0), use_tqdm=False)
         except Exception as e:  # noqa: BLE001
             res["error"] = e
 
@@ -567,7 +567,7 @@ def test_a_worker_killed_mid_generation(stories_model_dir, rank, greedy):
 
     def gen():
         try:
-            res["out"] = llm.generate(["Once upon a time", "The dog"], _g(400) if greedy else _s(400), use_tqdm=False)
+            res["out"] = llm.generate(["Once upon a time", "The dog"], _g(400) if greedy else _s(400, logprobs=0), use_tqdm=False)
         except Exception as e:  # noqa: BLE001
             res["error"] = e
 

@@ -215,8 +215,8 @@ def _invariant_agreement_rank(rank: int, port: int, sizes: list, out) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        worker = types.SimpleNamespace(device=torch.device("cpu"),
-                                       runner=types.SimpleNamespace(model=types.SimpleNamespace(tp_invariant=sizes[rank])))
+        model = types.SimpleNamespace(tp_invariant=sizes[rank])
+        worker = types.SimpleNamespace(device=torch.device("cpu"), runner=types.SimpleNamespace(model=model))
         try:
             check_same_invariant_size(worker)
             out.put((rank, "ok"))

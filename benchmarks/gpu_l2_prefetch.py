@@ -27,18 +27,63 @@ import gpu_decode_layer as D  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
 
 from kvpilot import llama  # noqa: E402
+from kvpilot.kernels import gemv as G  # noqa: E402
 
 MB = 1 << 20
-# name -> (o_proj, gate_up, down, qkv) budgets in bytes, or None for "off"
-VARIANTS: dict[str, tuple[int, int, int, int] | None] = {
-    "off": None,
-    "o_proj only": (64 * MB, 0, 0, 0),
-    "o_proj + 4 MB": (64 * MB, 4 * MB, 4 * MB, 4 * MB),
-    "o_proj + 8 MB": (64 * MB, 8 * MB, 8 * MB, 8 * MB),
-    "o_proj + 16 MB": (64 * MB, 16 * MB, 16 * MB, 16 * MB),
-    "16 MB of o_proj + 8 MB": (16 * MB, 8 * MB, 8 * MB, 8 * MB),
-    "tails 8 MB only": (0, 8 * MB, 8 * MB, 8 * MB),
+# name -> ((o_proj, gate_up, down, qkv) budgets in bytes, or None for "off"; kernels.gemv's
+# L2_PREFETCH_MODE (1 bulk, 3 per line); L2_PREFETCH_UNIT (bytes, bulk only))
+VARIANTS: dict[str, tuple] = {
+    "off": (None, 1, 128),
+    "o_proj only, bulk 128 B": ((64 * MB, 0, 0, 0), 1, 128),
+    "o_proj only, bulk 8 KB": ((64 * MB, 0, 0, 0), 1, 8192),
+    "o_proj only, lines": ((64 * MB, 0, 0, 0), 3, 128),
+    "16 MB of o_proj, lines": ((16 * MB, 0, 0, 0), 3, 128),
+    "tails 8 MB, bulk 8 KB": ((0, 8 * MB, 8 * MB, 8 * MB), 1, 8192),
+    "tails 8 MB, lines": ((0, 8 * MB, 8 * MB, 8 * MB), 3, 128),
+    "o_proj + tails 4 MB, lines": ((64 * MB, 4 * MB, 4 * MB, 4 * MB), 3, 128),
 }
+
+
+def set_variant(name: str, mods) -> None:
+    budgets, mode, unit = VARIANTS[name]
+    for m in mods:
+        m.l2_prefetch = budgets is not None
+    if budgets is not None:
+        llama.L2_PREFETCH_BYTES.update(zip(("o_proj", "gate_up", "down", "qkv"), budgets))
+    G.L2_PREFETCH_MODE, G.L2_PREFETCH_UNIT = mode, unit
+
+
+def pair_section(copy_gbs: float, copies: int = 4, reps: int = 16) -> None:
+    """QKV (RMSNorm GEMV) then o_proj, with a sleep kernel standing in for attention between them,
+    over ``copies`` rotating weight copies (cold in L2): us per pair, by prefetch mechanism."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dt = torch.bfloat16
+    wq = [torch.randn(6144, 4096, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(copies)]
+    wo = [torch.randn(4096, 4096, device="cuda", dtype=dt, generator=gen) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, 4096, device="cuda", dtype=dt, generator=gen)
+    res = torch.randn(1, 4096, device="cuda", dtype=dt, generator=gen)
+    nw = torch.ones(4096, device="cuda", dtype=dt)
+    a = torch.randn(1, 4096, device="cuda", dtype=dt, generator=gen)
+    floor = (wq[0].numel() + wo[0].numel()) * 2 / copy_gbs / 1e3
+    print(f"\nQKV + o_proj pairs (floor {floor:.1f} us for both), us per pair")
+    print("| variant | sleep 0 | sleep ~4 us | QKV alone |\n|---|---:|---:|---:|")
+    for name, mode, unit in (("off", 0, 128), ("bulk 128 B", 1, 128), ("bulk 8 KB", 1, 8192),
+                             ("lines", 3, 128)):
+        G.L2_PREFETCH_MODE, G.L2_PREFETCH_UNIT = max(mode, 1), unit
+        plans = [G.l2_prefetch_plan(w, 64 * MB, "plain") if mode else None for w in wo]
+        row = []
+        for sleep, with_o in ((0, True), (8000, True), (0, False)):
+            def fn():
+                for i in range(reps):
+                    j = i % copies
+                    G.rmsnorm_gemv(x, res, nw, 1e-5, wq[j], l2_prefetch=plans[j])
+                    if sleep:
+                        torch.cuda._sleep(sleep)
+                    if with_o:
+                        G.gemv(a, wo[j])
+            row.append(D.graph_ms(fn, 1, replays=20) * 1e3 / reps)
+        print(f"| {name} | {row[0]:.2f} | {row[1]:.2f} | {row[2]:.2f} |")
+    G.L2_PREFETCH_MODE, G.L2_PREFETCH_UNIT = 1, 128
 
 
 def run(mods, caches, meta, positions, cos_sin, hidden0):
@@ -52,15 +97,18 @@ def run(mods, caches, meta, positions, cos_sin, hidden0):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-pairs", action="store_true", help="skip the QKV + o_proj pair timing")
     a = ap.parse_args(argv)
     copy_gbs = copy_bandwidth_gbs()
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}, L2 {props.L2_cache_size / MB:.0f} MiB, copy {copy_gbs:.0f} GB/s")
     saved = dict(llama.L2_PREFETCH_BYTES)
+    if not a.no_pairs:
+        pair_section(copy_gbs)
     results, bad = {}, 0
     for ctx in a.contexts:
         mods, caches, meta, positions, cos_sin, hidden0 = D.build_layers(a.layers, ctx)
@@ -70,11 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         floor_us = sum(p.numel() * p.element_size() for p in mods[0].parameters()) / copy_gbs / 1e3
 
         def measure(name: str) -> tuple[float, torch.Tensor]:
-            budgets = VARIANTS[name]
-            for m in mods:
-                m.l2_prefetch = budgets is not None
-            if budgets is not None:
-                llama.L2_PREFETCH_BYTES.update(zip(("o_proj", "gate_up", "down", "qkv"), budgets))
+            set_variant(name, mods)
             for c, p in zip(caches, pristine):
                 c.copy_(p)
             with torch.no_grad():

@@ -507,6 +507,12 @@ if triton is not None:
                     "mov.u32 $0, 0; }",
                     "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1,
                 )
+            elif PF == 3:  # one L2 line per unit through the load/store unit
+                addr = pf_ptr.to(tl.int64) + offset
+                tl.inline_asm_elementwise(
+                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+                    "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1,
+                )
             else:
                 tl.store(pf_log_ptr + 2 * u, offset, mask=ok)
                 tl.store(pf_log_ptr + 2 * u + 1, size.to(tl.int64), mask=ok)
@@ -618,6 +624,10 @@ class L2Prefetch(NamedTuple):
     log: torch.Tensor | None = None
 
 
+L2_PREFETCH_MODE = 1
+"""1: bulk prefetches (``cp.async.bulk.prefetch.L2``, one per piece); 3: one ``prefetch.global.L2``
+per 128-byte line."""
+
 L2_PREFETCH_UNIT = 128
 """Smallest piece of a row one thread prefetches (bytes; one L2 line). The region is cut into
 pieces of at least this size, about one per thread of the grid (``_prefetch_args``)."""
@@ -673,13 +683,15 @@ def _prefetch_args(plan: L2Prefetch | None, device: torch.device, grid: int, thr
     stride = w.stride(0) * es
     if plan.row_bytes % 16 or stride % 16 or w.data_ptr() % 16 or plan.rows <= 0:
         return {}
-    mode = 2 if plan.log is not None else 1
-    if mode == 1 and not _prefetch_supported(w.device):
+    mode = 2 if plan.log is not None else L2_PREFETCH_MODE
+    if mode != 2 and not _prefetch_supported(w.device):
         return {}
     region = plan.rows * plan.row_bytes
     unit = L2_PREFETCH_UNIT if plan.row_bytes >= L2_PREFETCH_UNIT else 16
     piece = -(-region // (grid * threads))
     piece = min(plan.row_bytes, max(unit, -(-piece // unit) * unit))
+    if mode == 3:
+        piece = 128
     units = plan.rows * -(-plan.row_bytes // piece)
     if mode == 2 and plan.log.numel() < 2 * units:
         raise ValueError(f"L2Prefetch.log needs {2 * units} elements, has {plan.log.numel()}")

@@ -40,13 +40,6 @@ by default, like vLLM's and TensorRT-LLM's bf16 all-reduce: the bf16 all-reduce 
 (tensor-parallel rank 0 adds the bias inside its GEMM). Every rank holds the whole
 bias of a row-parallel layer (`weights.load_weights`); it is added exactly once either way.
 
-L2 prefetch of the next weight (``KVPILOT_L2_PREFETCH``, default 1, read once when a layer is
-built): at batch 1 each fused GEMV kernel, as its programs finish, prefetches into L2 the first bytes
-the next projection's kernel reads (``L2_PREFETCH_BYTES`` per projection; `kernels.gemv.L2Prefetch`):
-QKV prefetches ``o_proj`` (read after the latency-bound attention kernels, while DRAM would idle),
-``o_proj`` gate/up, gate/up ``down_proj``, and ``down_proj`` the next layer's QKV. A hint: the values
-computed do not change. The tensor-parallel-invariant layers do not prefetch.
-
 Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, default off): the layers of
 `kvpilot.tp_invariant` (`InvariantDecoderLayer`) replace the default ones when the model is built;
 see that module.
@@ -54,7 +47,6 @@ see that module.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -78,17 +70,6 @@ def tp_reduce_fp32_enabled() -> bool:
     ranks in float32 and rounds once (module docstring); 0 sums rounded 16-bit partials."""
     return os.environ.get("KVPILOT_TP_REDUCE_FP32", "0") not in ("0", "false", "False", "no", "")
 
-
-def l2_prefetch_enabled() -> bool:
-    """``KVPILOT_L2_PREFETCH`` (default 1): 0 stops the batch-1 GEMVs prefetching the next weight
-    into L2 (module docstring)."""
-    return os.environ.get("KVPILOT_L2_PREFETCH", "1") not in ("0", "false", "False", "no", "")
-
-
-L2_PREFETCH_BYTES: dict[str, int] = {"o_proj": 64 << 20, "gate_up": 8 << 20, "down": 8 << 20, "qkv": 8 << 20}
-"""Per projection, the most bytes of its weight the kernel before it prefetches into L2 at batch 1
-(`kernels.gemv.l2_prefetch_plan` turns it into rows and bytes per row; ``o_proj``'s covers its whole
-weight at Llama-3.1-8B's shape). Benchmarks may edit it; a CUDA graph keeps what it was captured with."""
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -173,11 +154,6 @@ class ParallelContext:
         return self.all_reduce(matmul(x, weight, bias if self.tp_rank == 0 else None, None), site)
 
 
-def _with_prefetch(matmul, l2_prefetch):
-    # `matmul` (a fused GEMV dispatcher) with its L2 prefetch bound, in row_parallel's call form.
-    return matmul if l2_prefetch is None else functools.partial(matmul, l2_prefetch=l2_prefetch)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
@@ -219,12 +195,12 @@ class LlamaAttention(nn.Module):
         return self.attend(positions, self.qkv_proj(hidden), meta, kv_cache, cos_sin_cache)
 
     def attend(self, positions, qkv, meta: AttentionMetadata, kv_cache, cos_sin_cache,
-               fused_gemv: bool = False, l2_prefetch: Optional[KG.L2Prefetch] = None) -> torch.Tensor:
+               fused_gemv: bool = False) -> torch.Tensor:
         """Attention after the QKV projection: rotary + KV write, paged attention, ``o_proj``, all-reduce.
 
         ``qkv`` ``[T, q_size + 2 * kv_size]`` (this rank's heads); returns ``[T, hidden]`` in ``qkv``'s
-        dtype. ``fused_gemv`` runs ``o_proj`` through :func:`kvpilot.kernels.gemv.gemv` (with
-        ``l2_prefetch``); the reduction is `ParallelContext.row_parallel`'s.
+        dtype. ``fused_gemv`` runs ``o_proj`` through :func:`kvpilot.kernels.gemv.gemv`; the reduction
+        is `ParallelContext.row_parallel`'s.
         """
         n = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -237,8 +213,7 @@ class LlamaAttention(nn.Module):
         out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                 self.scale, meta.max_query_len, meta.max_seq_len)
         out = out.reshape(n, self.q_size)
-        return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias,
-                                    _with_prefetch(KG.gemv, l2_prefetch) if fused_gemv else KG.gemv_ref,
+        return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias, KG.gemv if fused_gemv else KG.gemv_ref,
                                     self.reduce_fp32, self.ar_site)
 
 
@@ -260,17 +235,15 @@ class LlamaMLP(nn.Module):
     def forward(self, x):
         return self.down(self.gate_up_proj(x))
 
-    def down(self, gate_up: torch.Tensor, fused_gemv: bool = False,
-             l2_prefetch: Optional[KG.L2Prefetch] = None) -> torch.Tensor:
+    def down(self, gate_up: torch.Tensor, fused_gemv: bool = False) -> torch.Tensor:
         """SiLU-and-mul, ``down_proj`` and the all-reduce: ``gate_up`` ``[T, 2 * inter]`` -> ``[T, hidden]``.
 
-        ``fused_gemv`` runs the pair through :func:`kvpilot.kernels.gemv.silu_mul_gemv` (with
-        ``l2_prefetch``); the reduction is `ParallelContext.row_parallel`'s.
+        ``fused_gemv`` runs the pair through :func:`kvpilot.kernels.gemv.silu_mul_gemv`; the reduction
+        is `ParallelContext.row_parallel`'s.
         """
         w, b = self.down_proj.weight, self.down_proj.bias
         if fused_gemv:
-            return self.pc.row_parallel(gate_up, w, b, _with_prefetch(KG.silu_mul_gemv, l2_prefetch),
-                                        self.reduce_fp32, self.ar_site)
+            return self.pc.row_parallel(gate_up, w, b, KG.silu_mul_gemv, self.reduce_fp32, self.ar_site)
         return self.pc.row_parallel(K.silu_and_mul(gate_up), w, b, KG.gemv_ref, self.reduce_fp32,
                                     self.ar_site)
 
@@ -283,26 +256,20 @@ class LlamaDecoderLayer(nn.Module):
     ``fused_gemv`` (default: ``KVPILOT_FUSED_GEMV``) routes the projections through the fused
     GEMV dispatchers (module docstring); a plain attribute, so benchmarks may flip it.
     ``reduce_fp32`` (default: ``KVPILOT_TP_REDUCE_FP32``) goes to the attention and MLP blocks.
-    ``l2_prefetch`` (default: ``KVPILOT_L2_PREFETCH``; a plain attribute too): the fused GEMVs of a
-    one-token batch prefetch the next projection's weight into L2 (module docstring); ``forward``'s
-    ``next_qkv`` is the next layer's QKV weight (None: the last kernel prefetches nothing).
     """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext,
-                 fused_gemv: Optional[bool] = None, reduce_fp32: Optional[bool] = None,
-                 l2_prefetch: Optional[bool] = None) -> None:
+                 fused_gemv: Optional[bool] = None, reduce_fp32: Optional[bool] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, pc, reduce_fp32)
         self.mlp = LlamaMLP(cfg, pc, reduce_fp32)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fused_gemv = fused_gemv_enabled() if fused_gemv is None else fused_gemv
-        self.l2_prefetch = l2_prefetch_enabled() if l2_prefetch is None else l2_prefetch
 
-    def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache,
-                next_qkv: Optional[torch.Tensor] = None):
+    def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
         if self.fused_gemv:
-            return self._forward_fused(positions, hidden, residual, meta, kv_cache, cos_sin_cache, next_qkv)
+            return self._forward_fused(positions, hidden, residual, meta, kv_cache, cos_sin_cache)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -312,30 +279,19 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def _plan(self, x: torch.Tensor, weight: Optional[torch.Tensor], name: str, prologue: str):
-        # The L2 prefetch of `weight` (read next by a `prologue` GEMV) for a kernel running on x.
-        if not self.l2_prefetch or weight is None or not x.is_cuda or x.shape[0] != 1:
-            return None
-        return KG.l2_prefetch_plan(weight, L2_PREFETCH_BYTES[name], prologue)
-
-    def _forward_fused(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache, next_qkv=None):
+    def _forward_fused(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
         attn, mlp = self.self_attn, self.mlp
         ln, qkv_proj = self.input_layernorm, attn.qkv_proj
-        pf = self._plan(hidden, attn.o_proj.weight, "o_proj", "plain")
         if residual is None:
             residual = hidden
-            qkv = KG.rmsnorm_gemv(hidden, None, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias, l2_prefetch=pf)
+            qkv = KG.rmsnorm_gemv(hidden, None, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
         else:
-            qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias,
-                                            l2_prefetch=pf)
+            qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
+        hidden = attn.attend(positions, qkv, meta, kv_cache, cos_sin_cache, fused_gemv=True)
         ln, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
-        hidden = attn.attend(positions, qkv, meta, kv_cache, cos_sin_cache, fused_gemv=True,
-                             l2_prefetch=self._plan(hidden, gate_up_proj.weight, "gate_up", "rmsnorm"))
         gate_up, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, gate_up_proj.weight,
-                                            gate_up_proj.bias,
-                                            l2_prefetch=self._plan(hidden, mlp.down_proj.weight, "down", "silu"))
-        return mlp.down(gate_up, fused_gemv=True,
-                        l2_prefetch=self._plan(hidden, next_qkv, "qkv", "rmsnorm")), residual
+                                            gate_up_proj.bias)
+        return mlp.down(gate_up, fused_gemv=True), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -429,13 +385,8 @@ class LlamaForCausalLM(nn.Module):
                 hidden: Optional[torch.Tensor] = None, residual: Optional[torch.Tensor] = None):
         if self.is_first:
             hidden = self.embed_tokens(input_ids)
-        layers = self.layers
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            if self.invariant_shards:
-                hidden, residual = layer(positions, hidden, residual, meta, kv, self.cos_sin_cache)
-            else:  # the next layer's QKV weight: the L2 prefetch of this layer's last GEMV
-                nxt = layers[i + 1].self_attn.qkv_proj.weight if i + 1 < len(layers) else None
-                hidden, residual = layer(positions, hidden, residual, meta, kv, self.cos_sin_cache, nxt)
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, meta, kv, self.cos_sin_cache)
         if not self.is_last:
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,8 +75,6 @@ __all__ = [
     "gemv_triton",
     "gemv_config",
     "FUSED_MAX_ROWS",
-    "L2Prefetch",
-    "l2_prefetch_plan",
     "launch_config",
     "rmsnorm_gemv",
     "rmsnorm_gemv_ref",
@@ -406,8 +403,6 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, VEC: tl.constexpr = 0,
         USE_PDL: tl.constexpr = False,
-        pf_ptr=None, pf_rows=0, pf_row_bytes=0, pf_stride=0, pf_piece=0, pf_upp=0, pf_log_ptr=None,
-        PF: tl.constexpr = 0, PF_THREADS: tl.constexpr = 128,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -475,47 +470,6 @@ if triton is not None:
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
                 BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
-        if PF > 0:
-            # This program's share of the next weight's L2 prefetch, issued once its own tiles are
-            # loaded, so that it fills the DRAM bandwidth the kernel's tail leaves idle.
-            _l2_prefetch(pid, pf_ptr, pf_rows, pf_row_bytes, pf_stride, pf_piece, pf_upp, pf_log_ptr, PF,
-                         PF_THREADS)
-
-    @triton.jit
-    def _l2_prefetch(pid, pf_ptr, pf_rows, pf_row_bytes, pf_stride, pf_piece, pf_upp, pf_log_ptr,
-                     PF: tl.constexpr, NT: tl.constexpr):
-        # The region: the first pf_row_bytes bytes of rows 0 .. pf_rows - 1 of pf_ptr's tensor (row
-        # stride pf_stride bytes), cut into units of pf_piece bytes (ppr per row, the last one of a
-        # row shorter). Program pid takes units [pid * pf_upp, (pid + 1) * pf_upp), NT at a time, one
-        # per thread. PF 1: `cp.async.bulk.prefetch.L2.global` of each unit (sm_90; a hint, no data
-        # comes back). PF 2 (tests, the CPU interpreter): log each unit's (byte offset, size) at
-        # pf_log_ptr[2 * u] instead.
-        ppr = tl.cdiv(pf_row_bytes, pf_piece)
-        total = pf_rows * ppr
-        lane = tl.arange(0, NT)
-        for u0 in range(0, pf_upp, NT):
-            u = pid * pf_upp + u0 + lane
-            ok = (u0 + lane < pf_upp) & (u < total)
-            row = (u // ppr).to(tl.int64)
-            col = (u % ppr) * pf_piece
-            offset = row * pf_stride + col
-            size = tl.where(ok, tl.minimum(pf_piece, pf_row_bytes - col), 0)
-            if PF == 1:
-                addr = pf_ptr.to(tl.int64) + offset
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }",
-                    "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1,
-                )
-            elif PF == 3:  # one L2 line per unit through the load/store unit
-                addr = pf_ptr.to(tl.int64) + offset
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                    "=r,l,r", [addr, size.to(tl.uint32)], dtype=tl.int32, is_pure=False, pack=1,
-                )
-            else:
-                tl.store(pf_log_ptr + 2 * u, offset, mask=ok)
-                tl.store(pf_log_ptr + 2 * u + 1, size.to(tl.int64), mask=ok)
 
     @triton.jit
     def _column_tile(
@@ -609,96 +563,6 @@ if triton is not None:
         return acc
 
 
-class L2Prefetch(NamedTuple):
-    """What a GEMV kernel prefetches into L2 as its programs finish: the first ``row_bytes`` bytes of
-    rows ``0 .. rows - 1`` of ``weight`` (a 2-D tensor, contiguous along its last dimension), normally
-    the next kernel's weight, so that its first reads hit L2 and the DRAM bandwidth this kernel's tail
-    (and any latency-bound kernel between the two, such as decode attention) leaves idle is used.
-    It is a hint: results do not depend on it. Build one with :func:`l2_prefetch_plan`.
-    ``log`` (tests): an int64 tensor of ``2 * units`` elements that receives each unit's
-    ``(byte offset, size)`` instead of the prefetch (the CPU interpreter runs that mode)."""
-
-    weight: torch.Tensor
-    rows: int
-    row_bytes: int
-    log: torch.Tensor | None = None
-
-
-L2_PREFETCH_MODE = 1
-"""1: bulk prefetches (``cp.async.bulk.prefetch.L2``, one per piece); 3: one ``prefetch.global.L2``
-per 128-byte line."""
-
-L2_PREFETCH_UNIT = 128
-"""Smallest piece of a row one thread prefetches (bytes; one L2 line). The region is cut into
-pieces of at least this size, about one per thread of the grid (``_prefetch_args``)."""
-
-
-def l2_prefetch_plan(weight: torch.Tensor, budget_bytes: int, prologue: str | None = None,
-                     m: int = 1) -> L2Prefetch | None:
-    """An :class:`L2Prefetch` of at most ``budget_bytes`` of ``weight`` ``[N, K]`` for the kernel that
-    reads it next, or None when the budget gives less than 16 bytes per row.
-
-    ``prologue`` ("plain", "rmsnorm", "silu"): that kernel is one of this module's, with ``m`` rows;
-    the rows prefetched are then the ones its programs read first (``grid x BLOCK_N`` rows of the
-    launch :func:`gemv_config` gives it, each program starting at column tile ``pid``), and of each
-    the first bytes along K, which its programs read first. None (another kernel, e.g. cuBLAS): all
-    ``N`` rows. Bytes per row are a multiple of ``L2_PREFETCH_UNIT`` (16 under it), at most a row.
-    """
-    n, k = weight.shape
-    row_full = k * weight.element_size()
-    rows = n
-    if prologue is not None:
-        cfg = gemv_config(m, n, k, prologue)
-        tiles = -(-n // cfg["block_n"])
-        grid = tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(weight.device))
-        rows = min(n, grid * cfg["block_n"])
-    per_row = budget_bytes // max(rows, 1)
-    step = L2_PREFETCH_UNIT if per_row >= L2_PREFETCH_UNIT else 16
-    row_bytes = min(row_full // 16 * 16, per_row // step * step)
-    if rows == 0 or row_bytes < 16:
-        return None
-    return L2Prefetch(weight, rows, row_bytes)
-
-
-def _prefetch_supported(device: torch.device) -> bool:
-    # cp.async.bulk.prefetch.L2 is sm_90 PTX; never under the interpreter or on ROCm.
-    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _prefetch_args(plan: L2Prefetch | None, device: torch.device, grid: int, threads: int) -> dict:
-    """The kernel's ``pf_*`` / ``PF`` arguments for ``plan`` on a ``grid`` of ``threads``-thread programs:
-    units of ``piece`` bytes (a multiple of 16, about one per thread), ``upp`` units per program.
-    Empty (no prefetch) without a plan, for a region the bulk prefetch cannot address (16-byte
-    alignment), and on devices without it unless the plan has a ``log``."""
-    if plan is None:
-        return {}
-    w = plan.weight
-    es = w.element_size()
-    if w.dim() != 2 or w.stride(-1) != 1 or plan.rows > w.shape[0] or plan.row_bytes > w.shape[1] * es:
-        raise ValueError(f"L2Prefetch of {plan.rows} rows x {plan.row_bytes} bytes does not fit a weight "
-                         f"{tuple(w.shape)} with strides {w.stride()}")
-    stride = w.stride(0) * es
-    if plan.row_bytes % 16 or stride % 16 or w.data_ptr() % 16 or plan.rows <= 0:
-        return {}
-    mode = 2 if plan.log is not None else L2_PREFETCH_MODE
-    if mode != 2 and not _prefetch_supported(w.device):
-        return {}
-    region = plan.rows * plan.row_bytes
-    unit = L2_PREFETCH_UNIT if plan.row_bytes >= L2_PREFETCH_UNIT else 16
-    piece = -(-region // (grid * threads))
-    piece = min(plan.row_bytes, max(unit, -(-piece // unit) * unit))
-    if mode == 3:
-        piece = 128
-    units = plan.rows * -(-plan.row_bytes // piece)
-    if mode == 2 and plan.log.numel() < 2 * units:
-        raise ValueError(f"L2Prefetch.log needs {2 * units} elements, has {plan.log.numel()}")
-    return dict(pf_ptr=w, pf_rows=plan.rows, pf_row_bytes=plan.row_bytes, pf_stride=stride, pf_piece=piece,
-                pf_upp=-(-units // grid), pf_log_ptr=plan.log, PF=mode, PF_THREADS=threads)
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -717,7 +581,6 @@ def _launch(
     eps: float = 0.0,
     config: dict | None = None,
     out_dtype: torch.dtype | None = None,
-    l2_prefetch: L2Prefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if triton is None:
         raise RuntimeError("the Triton GEMV kernels need the triton package")
@@ -754,7 +617,6 @@ def _launch(
         norm_pad = 0
     # The early tile overlaps the norm pass; measured only together with the one-load pass.
     early = bool(cfg.get("early_weight")) and not cfg.get("prefetch") and norm_pad > 0
-    pf = _prefetch_args(l2_prefetch, x.device, grid[0], cfg["num_warps"] * 32)
     _gemv_kernel[grid](
         x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
@@ -766,7 +628,7 @@ def _launch(
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
         NORM_PAD=norm_pad, EARLY_W=early,
         VEC=cfg.get("vec", 0),
-        USE_PDL=pdl > 0, **pf,
+        USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip
     return y, h
@@ -774,21 +636,19 @@ def _launch(
 
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
-    out_dtype: torch.dtype | None = None, l2_prefetch: L2Prefetch | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`gemv_ref` for ``M <= MAX_TRITON_ROWS`` rows (same contract,
     ``out_dtype`` included: float32 stores the kernel's fp32 accumulator plus bias unrounded).
 
     ``config`` overrides :func:`gemv_config` (benchmarks). Raises ValueError also when the weight is
     not contiguous along K, its dtype differs from ``x``'s, ``M`` exceeds the configuration, or the
-    configuration combines options :func:`launch_config` refuses, or ``l2_prefetch`` does not fit
-    its weight. ``l2_prefetch``: :class:`L2Prefetch` (a hint; sm_90 CUDA devices, else ignored).
+    configuration combines options :func:`launch_config` refuses.
     """
     if x.dim() != 2:
         raise ValueError(f"gemv: x must be [M, K], got {tuple(x.shape)}")
     _check_linear(x.shape[1], weight, bias, "gemv")
-    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config, out_dtype=out_dtype,
-                   l2_prefetch=l2_prefetch)[0]
+    return _launch(_PLAIN, x, x.shape[1], weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 def rmsnorm_gemv_triton(
@@ -799,7 +659,6 @@ def rmsnorm_gemv_triton(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: dict | None = None,
-    l2_prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of :func:`rmsnorm_gemv_ref` for ``M <= MAX_TRITON_ROWS``, one launch (same
     contract).
@@ -818,14 +677,13 @@ def rmsnorm_gemv_triton(
             f"got {tuple(residual.shape)}, {residual.dtype}"
         )
     _check_linear(x.shape[1], weight, bias, "rmsnorm_gemv")
-    y, h = _launch(_RMSNORM, x, x.shape[1], weight, bias, residual, norm_weight, eps, config,
-                   l2_prefetch=l2_prefetch)
+    y, h = _launch(_RMSNORM, x, x.shape[1], weight, bias, residual, norm_weight, eps, config)
     return y if residual is None else (y, h)
 
 
 def silu_mul_gemv_triton(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
-    out_dtype: torch.dtype | None = None, l2_prefetch: L2Prefetch | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`silu_mul_gemv_ref` for ``M <= MAX_TRITON_ROWS``, one launch (same
     contract, ``out_dtype`` included).
@@ -833,8 +691,7 @@ def silu_mul_gemv_triton(
     Errors as :func:`gemv_triton`, plus ValueError on an odd last dimension.
     """
     _check_silu(gate_up, weight, bias)
-    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype,
-                   l2_prefetch=l2_prefetch)[0]
+    return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -865,12 +722,11 @@ def _unfused_silu_mul_gemv(gate_up, weight, bias=None, out_dtype=None):
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out_dtype: torch.dtype | None = None, l2_prefetch: L2Prefetch | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: Triton for CUDA ``x`` of at most ``FUSED_MAX_ROWS["plain"]``
-    rows, else ``F.linear`` (``torch.mm`` with ``out_dtype`` float32). See :func:`gemv_ref`.
-    ``l2_prefetch`` (:class:`L2Prefetch`) is passed to the Triton kernel, ignored elsewhere."""
+    rows, else ``F.linear`` (``torch.mm`` with ``out_dtype`` float32). See :func:`gemv_ref`."""
     if _use_triton(x, "plain"):
-        return gemv_triton(x, weight, bias, out_dtype=out_dtype, l2_prefetch=l2_prefetch)
+        return gemv_triton(x, weight, bias, out_dtype=out_dtype)
     return gemv_ref(x, weight, bias, out_dtype)
 
 
@@ -881,31 +737,30 @@ def rmsnorm_gemv(
     eps: float,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    l2_prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """(Residual add +) RMSNorm + linear: one Triton launch for CUDA inputs of at most
     ``FUSED_MAX_ROWS["rmsnorm"]`` rows; otherwise :func:`kvpilot.kernels.rms_norm` (Triton on CUDA, the
     reference on CPU) followed by ``F.linear``.
 
-    See :func:`rmsnorm_gemv_ref` for shapes, return values and errors; ``l2_prefetch`` as for :func:`gemv`.
+    See :func:`rmsnorm_gemv_ref` for shapes, return values and errors.
     """
     if _use_triton(x, "rmsnorm"):
-        return rmsnorm_gemv_triton(x, residual, norm_weight, eps, weight, bias, l2_prefetch=l2_prefetch)
+        return rmsnorm_gemv_triton(x, residual, norm_weight, eps, weight, bias)
     _check_linear(x.shape[-1], weight, bias, "rmsnorm_gemv")
     return _unfused_rmsnorm_gemv(x, residual, norm_weight, eps, weight, bias)
 
 
 def silu_mul_gemv(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None, l2_prefetch: L2Prefetch | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """SiLU-and-mul + linear: one Triton launch for CUDA inputs of at most
     ``FUSED_MAX_ROWS["silu"]`` rows; otherwise :func:`kvpilot.kernels.silu_and_mul` followed by ``F.linear``
     (``torch.mm`` with ``out_dtype`` float32).
 
-    See :func:`silu_mul_gemv_ref` for shapes, ``out_dtype`` and errors; ``l2_prefetch`` as for :func:`gemv`.
+    See :func:`silu_mul_gemv_ref` for shapes, ``out_dtype`` and errors.
     """
     if _use_triton(gate_up, "silu"):
-        return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype, l2_prefetch=l2_prefetch)
+        return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype)
     _check_silu(gate_up, weight, bias)
     return _unfused_silu_mul_gemv(gate_up, weight, bias, out_dtype)

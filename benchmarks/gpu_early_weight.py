@@ -1,4 +1,4 @@
-"""Batch-1 decoder layers with the GEMVs' first weight tiles loaded before the PDL wait (``early_weight=2``).
+"""Batch-1 decoder layers under variants of the M = 1 GEMV launch rows (``early_weight=2``, ``balance``).
 
 Usage (one H200 after `pip install -e .`; about 1 minute):
 
@@ -37,15 +37,17 @@ ROWS = {"qkv": ("rmsnorm", 2), "o_proj": ("plain", 0), "gate_up": ("rmsnorm", 0)
 # variant -> {op: extra launch_config keywords}
 VARIANTS: dict[str, dict[str, dict]] = {
     "current": {},
-    "o_proj 2 tiles": {"o_proj": dict(early_weight=2, early_tiles=2)},
-    "o_proj 1 tile": {"o_proj": dict(early_weight=2, early_tiles=1)},
-    "o_proj 2 + gate_up": {"o_proj": dict(early_weight=2, early_tiles=2), "gate_up": dict(early_weight=2)},
-    "o_proj 2 + gate_up + down": {"o_proj": dict(early_weight=2, early_tiles=2), "gate_up": dict(early_weight=2),
-                                  "down": dict(early_weight=2)},
-    "all four (qkv 1 tile)": {"o_proj": dict(early_weight=2, early_tiles=2), "gate_up": dict(early_weight=2),
-                              "down": dict(early_weight=2), "qkv": dict(early_weight=2)},
-    "all four (qkv 2 tiles)": {"o_proj": dict(early_weight=2, early_tiles=2), "gate_up": dict(early_weight=2),
-                               "down": dict(early_weight=2), "qkv": dict(early_weight=2, early_tiles=2)},
+    "o_proj 2 tiles early": {"o_proj": dict(early_weight=2, early_tiles=2)},
+    "gate_up balanced": {"gate_up": dict(balance=True)},
+    "qkv balanced": {"qkv": dict(balance=True)},
+    "o_proj 8/SM balanced": {"o_proj": dict(programs_per_sm=8, balance=True)},
+    "o_proj 4/SM balanced": {"o_proj": dict(programs_per_sm=4, balance=True)},
+    "down 4/SM balanced": {"down": dict(programs_per_sm=4, balance=True)},
+    "qkv + gate_up + o_proj 8/SM balanced": {"gate_up": dict(balance=True), "qkv": dict(balance=True),
+                                              "o_proj": dict(programs_per_sm=8, balance=True)},
+    "same + all early": {"gate_up": dict(balance=True, early_weight=2), "qkv": dict(balance=True, early_weight=2),
+                         "o_proj": dict(programs_per_sm=8, balance=True, early_weight=2, early_tiles=2),
+                         "down": dict(early_weight=2)},
 }
 
 

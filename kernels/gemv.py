@@ -208,15 +208,18 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: int = 0, vec: int = 0, early_tiles: int = 1) -> dict:
+                  norm_one_load: bool = False, early_weight: int = 0, vec: int = 0, early_tiles: int = 1,
+                  balance: bool = False) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
     >= 16). ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the
     grid at that many programs per SM, each looping over several column tiles (persistent
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
-    program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
-    whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
+    program per ``block_n`` columns. ``balance`` (with ``programs_per_sm``) shrinks that grid to the
+    fewest programs that still need the same number of rounds of column tiles, so that every program
+    loops over the same number of tiles and none idles in the last round. ``norm_one_load`` makes
+    the RMSNorm pass one load of each whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
     ``early_weight`` 1 (or True) issues a program's first weight tile before that one-load pass (RMSNorm
     prologue with the one-load pass only); 2 issues it before the kernel's PDL wait, while the kernel
     before it still runs (any prologue; weights are read-only, kernels/pdl.py). ``early_tiles`` (``vec``
@@ -233,7 +236,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     return _check_config(dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                               num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                               programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                              early_weight=int(early_weight), vec=vec, early_tiles=early_tiles))  # fmt: skip
+                              early_weight=int(early_weight), vec=vec, early_tiles=early_tiles,
+                              balance=balance))  # fmt: skip
 
 
 def _check_config(cfg: dict) -> dict:
@@ -601,6 +605,19 @@ if triton is not None:
         return acc
 
 
+def launch_grid(cfg: dict, tiles: int, device: torch.device) -> int:
+    """Programs launched for ``tiles`` column tiles under ``cfg``: one per tile, or at most
+    ``programs_per_sm`` per SM; with ``balance``, the fewest programs that take the same number of
+    rounds (``ceil(tiles / ceil(tiles / cap))``)."""
+    pps = cfg.get("programs_per_sm")
+    if not pps:
+        return tiles
+    cap = pps * _sm_count(device)
+    if cfg.get("balance"):
+        return -(-tiles // -(-tiles // cap))
+    return min(tiles, cap)
+
+
 def early_weight_before_wait() -> bool:
     """``KVPILOT_GEMV_EARLY_WEIGHT`` (default 1, read at each launch, so a CUDA graph keeps the value
     it was captured with): 0 makes ``early_weight=2`` configurations load their first weight tiles
@@ -654,7 +671,7 @@ def _launch(
         nw = nw.contiguous()
     hh = h if h is not None else y
     tiles = triton.cdiv(n, cfg["block_n"])
-    grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
+    grid = (launch_grid(cfg, tiles, x.device),)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_mode(x.device, m)
     norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0

@@ -93,7 +93,7 @@ def step_ms(runner, seqs, iters: int = 20) -> float:
     return (time.perf_counter() - t) / iters * 1e3
 
 
-def kernel_table(runner, seqs, label: str, top: int = 14) -> None:
+def kernel_table(runner, seqs, label: str, top: int = 24) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     runner.execute(seqs)[0].argmax(-1).tolist()

@@ -60,11 +60,11 @@ class StepLog:
         return {"decode_only": part(dec), "with_prefill": part(mix)}
 
 
-def build(path: Path, kv_dtype: str, log: StepLog):
+def build(path: Path, kv_dtype: str, log: StepLog, max_batch_size: int = 512):
     from kvpilot import LLM, KvCacheConfig
 
     t0 = time.perf_counter()
-    llm = LLM(str(path), skip_tokenizer_init=True, max_batch_size=512, max_num_tokens=8192, max_seq_len=32768 + 256,
+    llm = LLM(str(path), skip_tokenizer_init=True, max_batch_size=max_batch_size, max_num_tokens=8192, max_seq_len=32768 + 256,
               kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.9, dtype=kv_dtype))
     llm.add_stat_logger(log)
     return llm, time.perf_counter() - t0
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 8192, 16384, 32768])
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], help="KV cache dtypes to run throughput with")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--max-batch-size", type=int, default=512, help="the engine's max_batch_size (default 512)")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
 
@@ -97,12 +98,12 @@ def main() -> None:
 
     for i, kv_dtype in enumerate(args.kv_dtype):
         log = StepLog()
-        llm, load_s = build(path, kv_dtype, log)
+        llm, load_s = build(path, kv_dtype, log, args.max_batch_size)
         runner = llm._executor
         cfg = LLAMA31_8B
         per_tok = runner.bytes_per_block // runner.block_size
         weight_read = runner.weight_bytes - cfg["vocab_size"] * cfg["hidden_size"] * 2
-        key = f"kv_{kv_dtype}"
+        key = f"kv_{kv_dtype}" + (f"_mbs{args.max_batch_size}" if args.max_batch_size != 512 else "")
         res[key] = {"load_s": load_s, "pool_tokens": llm.pool_tokens, "kv_bytes_per_token": per_tok}
         print(f"[{key}] loaded in {load_s:.1f} s; pool {llm.pool_tokens} tokens, {per_tok} B/token", flush=True)
         if i == 0 and "latency" in sections:

@@ -636,7 +636,9 @@ class Worker:
             self.pending_ids.append((call.ready, call))
             self.num_sampled_steps += 1
             return
-        torch.argmax(logits, dim=-1, out=ids)
+        from .sampler import greedy_ids
+
+        greedy_ids(logits, out=ids)
         if self._ids_host is None:
             self.pending_ids.append((None, ids.clone()))
             return

@@ -56,7 +56,7 @@ import torch
 from .logits_processors import Processing, apply_penalties_and_masks
 from .sampler_inputs import SamplingRow, Upload, records, to_host
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties_and_masks", "gumbel_noise",
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties_and_masks", "greedy_ids", "gumbel_noise",
            "mask_sorted_candidates", "top_k_top_p_min_p", "triton_sampler_enabled"]
 
 logger = logging.getLogger(__name__)
@@ -371,6 +371,23 @@ def triton_sampler_enabled() -> bool:
     return os.environ.get("KVPILOT_TRITON_SAMPLER", "1") not in ("0", "false", "False", "no")
 
 
+def greedy_ids(logits: torch.Tensor, out: Optional[torch.Tensor] = None, use_triton: Optional[bool] = None
+               ) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` ([S] int64, into ``out`` when given): by
+    `kvpilot.kernels.sampling.argmax` (same ids, spread over more programs; 27 -> a few us per batch-1
+    step on an H200) when ``use_triton`` (default: CUDA logits, `triton_sampler_enabled` and Triton
+    importable) and the logits are contiguous along the vocabulary; else by ``torch.argmax``."""
+    if use_triton is None:
+        from .kernels import triton_available
+
+        use_triton = logits.is_cuda and triton_sampler_enabled() and triton_available()
+    if use_triton and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
+        from .kernels import sampling as ksampling
+
+        return ksampling.argmax(logits, out=out)
+    return torch.argmax(logits, dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+
+
 class Sampler:
     """Chooses the next token of every row of a ``[S, V]`` float32 logits matrix.
 
@@ -434,7 +451,7 @@ class Sampler:
             raise
         fprm = iprm = keys = None
         if d is None:
-            tokens = x.argmax(dim=-1)
+            tokens = greedy_ids(x, use_triton=use_triton)
         else:
             fprm, iprm, order = (t[h] for h in hd)
             if use_triton:

@@ -842,6 +842,55 @@ def _penalty_kernel(x_ptr, stride, V, rows_ptr, slots_ptr, cnt_ptr, pen_ptr,
     tl.store(xp, x, mask=inr)
 
 
+@triton.jit
+def _argmax_pick(f, v, i):
+    # The lane torch.argmax picks among (NaN flag f, value v, index i): a NaN first (NaN lanes carry
+    # v = 0), then the largest value, then the lowest index. Returns (f, v, i) of that lane.
+    bf = tl.max(f, 0)
+    bv = tl.max(tl.where(f == bf, v, float("-inf")), 0)
+    bi = tl.min(tl.where((f == bf) & (v == bv), i, _INT_MAX), 0)
+    return bf, bv, bi
+
+
+@triton.jit
+def _argmax_chunk_kernel(x_ptr, stride, V, pf_ptr, pv_ptr, pi_ptr, NS, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row i, chunk s): the arg-max of ``x[i, s * CHUNK : (s + 1) * CHUNK]`` as (NaN flag,
+    value, index) at ``[i * NS + s]``."""
+    i = tl.program_id(0)
+    s = tl.program_id(1)
+    base = x_ptr + i.to(tl.int64) * stride
+    bf = tl.zeros([BLOCK], tl.int32)
+    bv = tl.full([BLOCK], float("-inf"), tl.float32)
+    bi = tl.full([BLOCK], _INT_MAX, tl.int32)
+    for start in range(0, CHUNK, BLOCK):
+        cols = s * CHUNK + start + tl.arange(0, BLOCK)
+        inr = cols < V
+        x = tl.load(base + cols, mask=inr, other=float("-inf")).to(tl.float32)
+        f = (x != x).to(tl.int32)
+        v = tl.where(f > 0, 0.0, x)
+        upd = inr & ((f > bf) | ((f == bf) & ((v > bv) | ((v == bv) & (cols < bi)))))
+        bf = tl.where(upd, f, bf)
+        bv = tl.where(upd, v, bv)
+        bi = tl.where(upd, cols, bi)
+    rf, rv, ri = _argmax_pick(bf, bv, bi)
+    tl.store(pf_ptr + i * NS + s, rf)
+    tl.store(pv_ptr + i * NS + s, rv)
+    tl.store(pi_ptr + i * NS + s, ri)
+
+
+@triton.jit
+def _argmax_resolve_kernel(pf_ptr, pv_ptr, pi_ptr, out_ptr, NS, SP: tl.constexpr):
+    """Program (row i): the arg-max of its ``NS`` chunk results, stored as int64 at ``out[i]``."""
+    i = tl.program_id(0)
+    k = tl.arange(0, SP)
+    ok = k < NS
+    f = tl.load(pf_ptr + i * NS + k, mask=ok, other=-1)
+    v = tl.load(pv_ptr + i * NS + k, mask=ok, other=float("-inf"))
+    idx = tl.load(pi_ptr + i * NS + k, mask=ok, other=_INT_MAX)
+    _, _, bi = _argmax_pick(f, v, idx)
+    tl.store(out_ptr + i, bi.to(tl.int64))
+
+
 # ---- host side ---------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _depths(device: torch.device) -> torch.Tensor:
@@ -1059,3 +1108,46 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
     _penalty_kernel[(P, triton.cdiv(V, block))](logits, logits.stride(0), V, rows, slots, counts, pen.contiguous(),
                                                  REP=rep, FREQ=freq, BLOCK=block, num_warps=4,
                                                  enable_fp_fusion=False)
+
+
+def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` in two launches that spread each row over many programs.
+
+    PyTorch's reduction gave a batch-1 row of 128,256 float32 logits to few programs: 27 us on an
+    H200 inside the decode step (BENCHMARKS.md, twelfth session). Here ``CONFIG["chunk"]`` columns per
+    program (32 programs per row at 128k), then one program per row reduces the chunks.
+    Same result as ``torch.argmax``: the first NaN of a row if it has one, else the first maximum.
+
+    Args:
+        logits: [S, V] float32/bfloat16/float16, last dimension contiguous, V < 2**31 (CUDA, or CPU
+            tensors under TRITON_INTERPRET=1).
+        out: optional [S] int64 tensor on the same device to write the ids into.
+    Returns:
+        [S] int64 ids (``out`` when given).
+    Raises:
+        ValueError: logits not 2-D or not contiguous along the vocabulary, an empty vocabulary, or a
+            wrong ``out``.
+    """
+    if logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits must be [S, V] and contiguous along V, got {tuple(logits.shape)}, "
+                         f"strides {logits.stride()}")
+    S, V = logits.shape
+    if V == 0 or V >= 2**31:
+        raise ValueError(f"the vocabulary must hold 1 .. 2**31 - 1 columns, got {V}")
+    dev = logits.device
+    if out is None:
+        out = torch.empty(S, dtype=torch.int64, device=dev)
+    elif out.shape != (S,) or out.dtype != torch.int64 or out.device != dev or out.stride(0) != 1:
+        raise ValueError(f"out must be a contiguous [{S}] int64 tensor on {dev}")
+    if S == 0:
+        return out
+    cfg = CONFIG
+    chunk = min(cfg["chunk"], max(cfg["block"], _pow2(V)))
+    block = min(cfg["block"], chunk)
+    NS = triton.cdiv(V, chunk)
+    pf, pi = _carve([S * NS, S * NS], torch.int32, dev)
+    pv = torch.empty(S * NS, dtype=torch.float32, device=dev)
+    _argmax_chunk_kernel[(S, NS)](logits, logits.stride(0), V, pf, pv, pi, NS, CHUNK=chunk, BLOCK=block,
+                                  num_warps=4)
+    _argmax_resolve_kernel[(S,)](pf, pv, pi, out, NS, SP=_pow2(NS), num_warps=1)
+    return out

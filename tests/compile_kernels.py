@@ -493,6 +493,15 @@ def _sampling_logprobs(num_rows: int, n: int):
     return case
 
 
+def _sampling_argmax(num_rows: int, dtype: torch.dtype):
+    def case():
+        from kvpilot.kernels import sampling
+
+        sampling.argmax(torch.empty(num_rows, VOCAB, dtype=dtype))  # greedy rows (kvpilot.sampler.greedy_ids)
+
+    return case
+
+
 def _sampling_penalties(rep_on: bool, freq_on: bool):
     def case():
         from kvpilot.kernels import sampling
@@ -580,6 +589,7 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("sampling draw rows=gkpm pivot off", _sampling_draw("gkpm", {"pivot_rounds": 0})))
     for n in (0, 1, 5, 32):
         out.append((f"sampling raw_logprobs n={n}", _sampling_logprobs(3, n)))
+    out.append(("sampling argmax 1 row fp32", _sampling_argmax(1, torch.float32)))
     for rep_on, freq_on in ((True, True), (True, False), (False, True)):
         out.append((f"sampling apply_penalties rep={rep_on} freq={freq_on}", _sampling_penalties(rep_on, freq_on)))
     return out

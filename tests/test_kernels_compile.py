@@ -42,6 +42,8 @@ EXPECTED = [
     "sampling._pivot_kernel",
     "sampling._logprob_kernel",
     "sampling._penalty_kernel",
+    "sampling._argmax_chunk_kernel",
+    "sampling._argmax_resolve_kernel",
 ]
 
 

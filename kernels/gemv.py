@@ -208,23 +208,18 @@ def silu_mul_gemv_ref(
 
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
-                  norm_one_load: bool = False, early_weight: int = 0, vec: int = 0, early_tiles: int = 1,
-                  balance: bool = False) -> dict:
+                  norm_one_load: bool = False, early_weight: bool = False, vec: int = 0) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
     >= 16). ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the
     grid at that many programs per SM, each looping over several column tiles (persistent
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
-    program per ``block_n`` columns. ``balance`` (with ``programs_per_sm``) shrinks that grid to the
-    fewest programs that still need the same number of rounds of column tiles, so that every program
-    loops over the same number of tiles and none idles in the last round. ``norm_one_load`` makes
-    the RMSNorm pass one load of each whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
-    ``early_weight`` 1 (or True) issues a program's first weight tile before that one-load pass (RMSNorm
-    prologue with the one-load pass only); 2 issues it before the kernel's PDL wait, while the kernel
-    before it still runs (any prologue; weights are read-only, kernels/pdl.py). ``early_tiles`` (``vec``
-    only): 2 loads the first two K tiles so (not with ``prefetch``).
-    ``vec`` > 0 (fma, ``block_m`` 1, no ``prefetch``) loads weight tiles as
+    program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
+    whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
+    ``early_weight`` issues a program's first weight tile before that one-load pass (RMSNorm
+    prologue only; not with ``prefetch``).
+    ``vec`` > 0 (fma, ``block_m`` 1, no ``prefetch`` / ``early_weight``) loads weight tiles as
     ``[block_n, block_k / vec, vec]`` and sums each ``vec`` run of products at once, so the
     accumulator is ``vec`` times smaller (``vec`` = 16 bytes / element size keeps one vector per thread).
 
@@ -236,8 +231,7 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     return _check_config(dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n, block_k=block_k,
                               num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                               programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                              early_weight=int(early_weight), vec=vec, early_tiles=early_tiles,
-                              balance=balance))  # fmt: skip
+                              early_weight=early_weight, vec=vec))  # fmt: skip
 
 
 def _check_config(cfg: dict) -> dict:
@@ -250,12 +244,9 @@ def _check_config(cfg: dict) -> dict:
         raise ValueError("early_weight and prefetch cannot be combined")
     if vec < 0 or vec & (vec - 1):
         raise ValueError(f"vec must be 0 or a power of two, got {vec}")
-    if vec and (cfg["use_dot"] or cfg["block_m"] != 1 or cfg.get("prefetch") or cfg["block_k"] % vec):
-        raise ValueError("vec needs kind 'fma', block_m 1, block_k a multiple of vec and no prefetch")
-    if int(cfg.get("early_weight", 0)) not in (0, 1, 2) or cfg.get("early_tiles", 1) not in (1, 2):
-        raise ValueError("early_weight must be 0, 1 or 2 and early_tiles 1 or 2")
-    if cfg.get("early_tiles", 1) == 2 and not (vec and cfg.get("early_weight")):
-        raise ValueError("early_tiles 2 needs vec and early_weight")
+    if vec and (cfg["use_dot"] or cfg["block_m"] != 1 or cfg.get("prefetch") or cfg.get("early_weight")
+                or cfg["block_k"] % vec):
+        raise ValueError("vec needs kind 'fma', block_m 1, block_k a multiple of vec, no prefetch or early_weight")
     return cfg
 
 
@@ -410,8 +401,8 @@ if triton is not None:
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = 0, EARLY_TILES: tl.constexpr = 1,
-        VEC: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+        NORM_PAD: tl.constexpr = 0, EARLY_W: tl.constexpr = False, VEC: tl.constexpr = 0,
+        USE_PDL: tl.constexpr = False,
     ):  # fmt: skip
         pid = tl.program_id(0)
         offs_m = tl.arange(0, BLOCK_M)
@@ -419,19 +410,15 @@ if triton is not None:
         # never stored, so the loads need no predicate.
         rows = tl.minimum(offs_m, M - 1).to(tl.int64)
         arange_k = tl.arange(0, BLOCK_K)
-        # EARLY_W: the first EARLY_TILES K tiles of this program's first column tile are loaded up
-        # front (1: after the PDL wait, before the RMSNorm pass, so that their DRAM latency overlaps
-        # that pass's L2 round trips; 2: before the PDL wait, while the kernels before this one still
-        # run: weights are never written by a kernel, so reading them early is safe).
-        if EARLY_W == 2:
-            w_first, w_second = _early_tiles(pid, w_ptr, N, K, stride_wn, arange_k, EVEN_K, BLOCK_N, BLOCK_K, VEC,
-                                             EARLY_TILES)
-        # kernels/pdl.py: wait before any other memory access; the next kernel is let in (`pdl_trigger`)
+        # kernels/pdl.py: wait before any memory access; the next kernel is let in (`pdl_trigger`)
         # only when this program starts its last column tile (measured faster than at entry).
         pdl_wait(USE_PDL)
-        if EARLY_W == 1:
-            w_first, w_second = _early_tiles(pid, w_ptr, N, K, stride_wn, arange_k, EVEN_K, BLOCK_N, BLOCK_K, VEC,
-                                             EARLY_TILES)
+        if EARLY_W:
+            # The first K tile of this program's first column tile, issued before the RMSNorm pass
+            # so that its DRAM latency overlaps that pass's L2 round trips.
+            first_cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            w_first = _load(w_ptr + first_cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :],
+                            EVEN_K)
 
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PROLOGUE == 1 and NORM_PAD > 0:
@@ -468,44 +455,25 @@ if triton is not None:
         # first tile is peeled off, so that w_first is not held in registers through the loop.
         num_tiles = tl.cdiv(N, BLOCK_N)
         first = pid
-        if EARLY_W > 0:
+        if EARLY_W:
             _column_tile(
-                pid, w_first, w_second, EARLY_TILES, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m,
-                arange_k, rstd, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                pid, w_first, True, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
                 BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
             first = pid + tl.num_programs(0)
         for tile in range(first, num_tiles, tl.num_programs(0)):
             _column_tile(
-                tile, arange_k, arange_k, 0, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k,
-                rstd, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
+                tile, arange_k, False, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+                M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
                 PROLOGUE, HAS_RESIDUAL, HAS_BIAS, USE_DOT, DOT_FP32, EVEN_K, PREFETCH,
                 BLOCK_M, BLOCK_N, BLOCK_K, VEC, USE_PDL,
             )  # fmt: skip
 
     @triton.jit
-    def _early_tiles(pid, w_ptr, N, K, stride_wn, arange_k, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, VEC: tl.constexpr, TILES: tl.constexpr):
-        # K tiles 0 and (TILES == 2) 1 of column tile pid, in `_column_tile`'s layout ([BLOCK_N,
-        # BLOCK_K / VEC, VEC] with VEC, else [BLOCK_N, BLOCK_K]); the second is tile 0 again when
-        # TILES == 1 (unused).
-        cols = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        if VEC > 0:
-            kk = tl.arange(0, BLOCK_K // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
-            ptrs = w_ptr + cols[:, None, None] * stride_wn + kk[None, :, :]
-            w0 = _load(ptrs, (kk < K)[None, :, :], EVEN_K)
-            w1 = w0
-            if TILES == 2:
-                w1 = _load(ptrs + BLOCK_K, (kk + BLOCK_K < K)[None, :, :], EVEN_K)
-        else:
-            w0 = _load(w_ptr + cols[:, None] * stride_wn + arange_k[None, :], (arange_k < K)[None, :], EVEN_K)
-            w1 = w0
-        return w0, w1
-
-    @triton.jit
     def _column_tile(
-        tile, w0, w1, N_EARLY: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
+        tile, w0, HAS_W0: tl.constexpr, x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, rows, offs_m, arange_k, rstd,
         M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, num_tiles,
         PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
         USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, PREFETCH: tl.constexpr,
@@ -513,8 +481,8 @@ if triton is not None:
         PDL: tl.constexpr,
     ):  # fmt: skip
         # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
-        # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. Its first N_EARLY K tiles of
-        # weights are already loaded: ``w0`` (N_EARLY >= 1) and ``w1`` (N_EARLY == 2, VEC only). The next kernel is let in when a program starts
+        # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
+        # first K tile of weights, already loaded. The next kernel is let in when a program starts
         # its last tile.
         if tile + tl.num_programs(0) >= num_tiles:
             pdl_trigger(PDL)
@@ -530,17 +498,7 @@ if triton is not None:
             row = tl.sum(rows, axis=0)
             rstd_row = tl.sum(rstd, axis=0)
             acc = tl.zeros([BLOCK_N, BLOCK_K // VEC], dtype=tl.float32)
-            if N_EARLY >= 1:
-                ok0 = kk < K
-                a = _activation_vec(x_ptr, res_ptr, nw_ptr, row, kk, ok0, rstd_row, stride_xm, stride_rm, K,
-                                    PROLOGUE, HAS_RESIDUAL, EVEN_K)
-                acc += tl.sum(a.to(tl.float32)[None, :, :] * w0.to(tl.float32), axis=2)
-            if N_EARLY == 2:
-                ok1 = kk + BLOCK_K < K
-                a = _activation_vec(x_ptr, res_ptr, nw_ptr, row, kk + BLOCK_K, ok1, rstd_row, stride_xm, stride_rm,
-                                    K, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-                acc += tl.sum(a.to(tl.float32)[None, :, :] * w1.to(tl.float32), axis=2)
-            for k0 in range(N_EARLY * BLOCK_K, K, BLOCK_K):
+            for k0 in range(0, K, BLOCK_K):
                 offs = k0 + kk
                 ok = offs < K
                 w = _load(w_rows3 + offs[None, :, :], ok[None, :, :], EVEN_K)
@@ -550,7 +508,7 @@ if triton is not None:
             out = tl.sum(acc, axis=1)[None, :]
         else:
             out = _tile_2d(
-                w0, N_EARLY > 0, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
+                w0, HAS_W0, x_ptr, res_ptr, nw_ptr, w_rows, rows, arange_k, rstd, stride_xm, stride_rm, K,
                 PROLOGUE, HAS_RESIDUAL, USE_DOT, DOT_FP32, EVEN_K, PREFETCH, BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
         if HAS_BIAS:
@@ -589,7 +547,7 @@ if triton is not None:
             acc = _accumulate(acc, a, w, USE_DOT, DOT_FP32)
         else:
             k_lo = 0
-            if HAS_W0:  # K tile 0 was loaded up front (EARLY_W)
+            if HAS_W0:  # K tile 0 was loaded before the RMSNorm pass
                 a0 = _activation(x_ptr, res_ptr, nw_ptr, rows, arange_k, rstd, stride_xm, stride_rm, K,
                                  PROLOGUE, HAS_RESIDUAL, EVEN_K)
                 acc = _accumulate(acc, a0, w0, USE_DOT, DOT_FP32)
@@ -603,26 +561,6 @@ if triton is not None:
         if not USE_DOT:
             acc = tl.sum(acc, axis=2)
         return acc
-
-
-def launch_grid(cfg: dict, tiles: int, device: torch.device) -> int:
-    """Programs launched for ``tiles`` column tiles under ``cfg``: one per tile, or at most
-    ``programs_per_sm`` per SM; with ``balance``, the fewest programs that take the same number of
-    rounds (``ceil(tiles / ceil(tiles / cap))``)."""
-    pps = cfg.get("programs_per_sm")
-    if not pps:
-        return tiles
-    cap = pps * _sm_count(device)
-    if cfg.get("balance"):
-        return -(-tiles // -(-tiles // cap))
-    return min(tiles, cap)
-
-
-def early_weight_before_wait() -> bool:
-    """``KVPILOT_GEMV_EARLY_WEIGHT`` (default 1, read at each launch, so a CUDA graph keeps the value
-    it was captured with): 0 makes ``early_weight=2`` configurations load their first weight tiles
-    after the PDL wait (the 2-D RMSNorm ones before the norm pass, as ``early_weight=1``)."""
-    return os.environ.get("KVPILOT_GEMV_EARLY_WEIGHT", "1") not in ("0", "false", "False", "no", "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -671,20 +609,14 @@ def _launch(
         nw = nw.contiguous()
     hh = h if h is not None else y
     tiles = triton.cdiv(n, cfg["block_n"])
-    grid = (launch_grid(cfg, tiles, x.device),)
+    grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = pdl_mode(x.device, m)
     norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0
     if norm_pad * cfg["block_m"] > NORM_ONE_LOAD_MAX:
         norm_pad = 0
-    # early_weight 1: the early tile overlaps the norm pass (measured only with the one-load pass);
-    # 2: loaded before the PDL wait, any prologue.
-    early = int(cfg.get("early_weight", 0))
-    if early == 2 and not early_weight_before_wait():
-        early = 1 if norm_pad and not cfg.get("vec") else 0
-    if early == 1 and norm_pad == 0:
-        early = 0
-    early_tiles = min(cfg.get("early_tiles", 1), triton.cdiv(k, cfg["block_k"])) if early else 1
+    # The early tile overlaps the norm pass; measured only together with the one-load pass.
+    early = bool(cfg.get("early_weight")) and not cfg.get("prefetch") and norm_pad > 0
     _gemv_kernel[grid](
         x, res, nw, weight, bias if bias is not None else weight, y, hh, float(eps),
         m, n, k, x.stride(0), res.stride(0), weight.stride(0), y.stride(0), hh.stride(0),
@@ -694,7 +626,7 @@ def _launch(
         DOT_FP32=x.dtype == torch.float32 or interpret,
         EVEN_K=k % cfg["block_k"] == 0, PREFETCH=cfg.get("prefetch", False),
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"],
-        NORM_PAD=norm_pad, EARLY_W=early, EARLY_TILES=early_tiles,
+        NORM_PAD=norm_pad, EARLY_W=early,
         VEC=cfg.get("vec", 0),
         USE_PDL=pdl > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),

@@ -4,6 +4,7 @@ against the current fused GEMVs and cuBLAS, per Llama-3.1-8B shape.
 Usage (one H200 after `pip install -e .`; about 1 minute):
 
     python3 benchmarks/gpu_gemv_tma.py [--ops gate_up down qkv o_proj] [--json PATH]
+    python3 benchmarks/gpu_gemv_tma.py --layers 32 [--contexts 512 4096]   # whole layers, table variants
 
 Question: the fused fma GEMVs read weights at 3.9-4.1 TB/s in steady state, while cuBLAS's LM head
 reads at 4.5 TB/s. The fma kernel keeps each weight tile in registers (no pipelining: one tile in
@@ -13,6 +14,12 @@ loads), so the bytes in flight no longer cost registers. Variants: tile ``[BLOCK
 stages, warps, and persistent grids (one flattened (tile, K step) loop per program). Each is timed as
 us per call in CUDA graphs over rotating weight copies (`gpu_gemv.Op`) and checked against
 ``F.linear`` (relative error < 1e-2); exits 1 on a mismatch or a failed compile of every variant.
+
+``--layers N``: instead, N Llama-3.1-8B-shaped decoder layers (`gpu_decode_layer`, fused GEMVs, PDL,
+one CUDA graph) under ``LAYER_VARIANTS`` of the M = 1 launch rows (``kernels/gemv.py``'s "tma" kind,
+the fused kernel with its prologue, against the previous fma rows), alternated ``--rounds`` times,
+as us per layer against the weight floor; each variant's output must stay within 2e-2 of the
+first's after all layers (summation order differs between kernels).
 """
 
 from __future__ import annotations
@@ -107,11 +114,118 @@ CANDIDATES = [  # (BLOCK_N, BLOCK_K, stages, warps, programs per SM or 0)
 ]
 
 
+# op -> (prologue, row index of kernels.gemv.CONFIGS[prologue]) for Llama-3.1-8B's TP-1 shapes at M = 1
+ROWS = {"qkv": ("rmsnorm", None), "o_proj": ("plain", None), "gate_up": ("rmsnorm", None), "down": ("silu", None)}
+FMA = {  # the launch rows before the "tma" kind (eighth-session table)
+    "qkv": dict(kind="fma", block_m=1, block_n=4, block_k=2048, programs_per_sm=8, norm_one_load=True, vec=8),
+    "o_proj": dict(kind="fma", block_m=1, block_n=2, block_k=2048, vec=8),
+    "gate_up": dict(kind="fma", block_m=1, block_n=8, block_k=1024, programs_per_sm=4, norm_one_load=True,
+                    early_weight=True),
+    "down": dict(kind="fma", block_m=1, block_n=8, block_k=1024, num_stages=3),
+}
+
+
+def _tma(bn: int, bk: int, stages: int = 4, warps: int = 4, late: bool = False) -> dict:
+    return dict(kind="tma", block_m=1, block_n=bn, block_k=bk, num_stages=stages, num_warps=warps, late_trigger=late)
+
+
+LAYER_VARIANTS: dict[str, dict[str, dict]] = {
+    "fma (previous rows)": {},
+    "tma gate_up 16x256": {"gate_up": _tma(16, 256)},
+    "tma gate_up + down 8x256": {"gate_up": _tma(16, 256), "down": _tma(8, 256)},
+    "tma gate_up + down + qkv 16x256": {"gate_up": _tma(16, 256), "down": _tma(8, 256), "qkv": _tma(16, 256)},
+    "same, down 8x512": {"gate_up": _tma(16, 256), "down": _tma(8, 512), "qkv": _tma(16, 256)},
+    "same, late triggers": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 256, late=True),
+                            "qkv": _tma(16, 256, late=True)},
+    "same, qkv 8x256": {"gate_up": _tma(16, 256), "down": _tma(8, 256), "qkv": _tma(8, 256)},
+}
+
+
+def _row_index(prologue: str, n: int) -> int:
+    from kvpilot.kernels import gemv as G
+
+    for i, (max_m, min_n, _) in enumerate(G.CONFIGS[prologue]):
+        if 1 <= max_m and n >= min_n:
+            return i
+    raise ValueError(prologue)
+
+
+def layers_main(a) -> int:
+    import statistics
+
+    import gpu_decode_layer as D
+    from kvpilot.kernels import gemv as G
+
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"GPU {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s")
+    shapes = {"qkv": 6144, "o_proj": 4096, "gate_up": 28672, "down": 4096}
+    idx = {op: _row_index(ROWS[op][0], shapes[op]) for op in ROWS}
+    saved = {op: G.CONFIGS[ROWS[op][0]][idx[op]] for op in ROWS}
+
+    def apply(changes: dict) -> None:
+        for op, (pro, _) in ROWS.items():
+            mm, nn, _ = G.CONFIGS[pro][idx[op]]
+            kw = dict(changes.get(op, FMA[op]))
+            G.CONFIGS[pro][idx[op]] = (mm, nn, G.launch_config(kw.pop("kind"), kw.pop("block_m"), kw.pop("block_n"),
+                                                                  kw.pop("block_k"), **kw))
+
+    bad, results = 0, {}
+    for ctx in a.contexts:
+        mods, caches, meta, positions, cos_sin, hidden0 = D.build_layers(a.layers, ctx)
+        for m in mods:
+            m.fused_gemv = True
+        pristine = [c.clone() for c in caches]
+        floor_us = sum(p.numel() * p.element_size() for p in mods[0].parameters()) / copy_gbs / 1e3
+
+        def measure(name: str):
+            apply(LAYER_VARIANTS[name])
+            for c, p in zip(caches, pristine):
+                c.copy_(p)
+            with torch.no_grad():
+                h, r = D.run_layers(mods, caches, meta, positions, cos_sin, hidden0)
+                out = torch.cat([h, r], dim=-1).float()
+                for c, p in zip(caches, pristine):
+                    c.copy_(p)
+                ms = D.graph_ms(lambda: D.run_layers(mods, caches, meta, positions, cos_sin, hidden0), 1,
+                                replays=20)
+            return ms / a.layers * 1e3, out
+
+        names = list(LAYER_VARIANTS)
+        times = {n: [] for n in names}
+        outs = {}
+        for _ in range(a.rounds):
+            for n in names:
+                us, outs[n] = measure(n)
+                times[n].append(us)
+        print(f"\ncontext {ctx}, {a.layers} layers, floor {floor_us:.1f} us per layer")
+        print("| variant | us per layer | median | % of floor | rel. diff to first |\n|---|---|---:|---:|---:|")
+        for n in names:
+            med = statistics.median(times[n])
+            err = D.rel_err(outs[n], outs[names[0]])
+            bad += not err < 2e-2
+            print(f"| {n} | {', '.join(f'{t:.2f}' for t in times[n])} | {med:.2f} | {100 * floor_us / med:.1f}% "
+                  f"| {err:.2g} |")
+        results[ctx] = dict(floor_us=floor_us, times=times)
+        del mods, caches, pristine
+        torch.cuda.empty_cache()
+    for op, (pro, _) in ROWS.items():
+        mm, nn, _ = G.CONFIGS[pro][idx[op]]
+        G.CONFIGS[pro][idx[op]] = (mm, nn, saved[op])
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(copy_gbs=copy_gbs, layers=results), indent=1))
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", nargs="+", default=["gate_up", "down", "qkv", "o_proj"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layers", type=int, default=0, help="time whole layers under LAYER_VARIANTS instead")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
+    if a.layers:
+        return layers_main(a)
     triton.set_allocator(_alloc)
     copy_gbs = copy_bandwidth_gbs()
     print(f"GPU {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s")

@@ -132,16 +132,16 @@ def _tma(bn: int, bk: int, stages: int = 4, warps: int = 4, late: bool = False) 
 
 LAYER_VARIANTS: dict[str, dict[str, dict]] = {
     "fma (previous rows)": {},
-    "tma gate_up 16x256": {"gate_up": _tma(16, 256)},
     "late, tma gate_up + down + qkv": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 256, late=True),
                             "qkv": _tma(16, 256, late=True)},
     "late, down 8x512": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 512, late=True),
                          "qkv": _tma(16, 256, late=True)},
+    "late gate_up + down 8x512, qkv entry trigger": {"gate_up": _tma(16, 256, late=True),
+                                                     "down": _tma(8, 512, late=True), "qkv": _tma(16, 256)},
+    "late gate_up + down 8x512, qkv 8x256 late": {"gate_up": _tma(16, 256, late=True),
+                                                   "down": _tma(8, 512, late=True), "qkv": _tma(8, 256, late=True)},
+    "late gate_up + down 8x512 only": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 512, late=True)},
     "late, gate_up + down only": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 256, late=True)},
-    "late, gate_up 32x128": {"gate_up": _tma(32, 128, late=True), "down": _tma(8, 256, late=True),
-                             "qkv": _tma(16, 256, late=True)},
-    "late, 3 stages": {"gate_up": _tma(16, 256, 3, late=True), "down": _tma(8, 256, 3, late=True),
-                       "qkv": _tma(16, 256, 3, late=True)},
 }
 
 

@@ -219,8 +219,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     ``kind`` "fma" (register products; ``block_m`` up to 8), "dot" (``tl.dot``; every block
     >= 16) or "tma" (M = 1: ``block_m`` 1; weight tiles arrive by TMA into a ``num_stages``-deep
     shared-memory ring, products in registers; ``_gemv_tma_kernel``; no other option applies but
-    ``late_trigger``: the next PDL kernel is let in after the K loop instead of at entry). ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the
-    grid at that many programs per SM, each looping over several column tiles (persistent
+    ``late_trigger``: the next PDL kernel is let in after the K loop instead of at entry).
+    ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the grid at that many programs per SM, each looping over several column tiles (persistent
     programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
@@ -235,8 +235,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     """
     if kind not in ("fma", "dot", "tma"):
         raise ValueError(f"kind must be 'fma', 'dot' or 'tma', got {kind!r}")
-    return _check_config(dict(use_dot=kind == "dot", tma=kind == "tma", block_m=block_m, block_n=block_n, block_k=block_k,
-                              num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+    return _check_config(dict(use_dot=kind == "dot", tma=kind == "tma", block_m=block_m, block_n=block_n,
+                              block_k=block_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                               programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
                               early_weight=early_weight, vec=vec, late_trigger=late_trigger))  # fmt: skip
 
@@ -638,13 +638,30 @@ if triton is not None:
         tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+def tma_enabled() -> bool:
+    """``KVPILOT_GEMV_TMA`` (default 1, read at each launch, so a CUDA graph keeps the value it was
+    captured with): 0 makes the launch tables skip their "tma" rows (the next row of the table runs)."""
+    return os.environ.get("KVPILOT_GEMV_TMA", "1") not in ("0", "false", "False", "no", "")
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    # TMA is sm_90+ (Hopper); the CPU interpreter emulates tensor descriptors.
+    if device.type != "cuda":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _tma_eligible(weight: torch.Tensor, m: int, cfg: dict) -> bool:
     # A 2-D TMA descriptor of the weight: 16-byte aligned base and row stride, 16-bit elements, a
     # block of at most 256 rows x 512 columns (measured on an H200) whose inner extent is at least 16
     # bytes; M = 1.
     es = weight.element_size()
     return (TensorDescriptor is not None and m == 1 and es == 2 and weight.stride(1) == 1
-            and (weight.stride(0) * es) % 16 == 0 and weight.data_ptr() % 16 == 0
+            and _tma_device(weight.device) and (weight.stride(0) * es) % 16 == 0 and weight.data_ptr() % 16 == 0
             and cfg["block_k"] <= 512 and cfg["block_k"] * es >= 16)
 
 
@@ -681,7 +698,7 @@ def _launch(
         bias = bias.contiguous()  # the kernel reads bias[n] at b_ptr + n
     m, n = x.shape[0], weight.shape[0]
     cfg = _check_config(config) if config else gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
-    if cfg.get("tma") and not _tma_eligible(weight, m, cfg):
+    if cfg.get("tma") and not (_tma_eligible(weight, m, cfg) and (config or tma_enabled())):
         if config:
             raise ValueError("a 'tma' configuration needs M = 1, a 16-bit weight with a 16-byte aligned base "
                              "and row stride, and block_k <= 512")
@@ -729,7 +746,9 @@ def _launch(
 
 def _launch_tma(prologue, x, k, weight, bias, res, nw, hh, y, has_residual, eps, cfg) -> None:
     n = weight.shape[0]
-    norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and triton.next_power_of_2(k) <= NORM_ONE_LOAD_MAX else 0
+    norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM else 0
+    if norm_pad > NORM_ONE_LOAD_MAX:  # as the fma kernel: larger rows keep the K-tile loop
+        norm_pad = 0
     # A descriptor per launch (cheap; inside a CUDA graph only at capture): caching one would keep
     # the weight alive.
     desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg["block_n"], cfg["block_k"]])

@@ -62,23 +62,37 @@ from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
 from kvpilot.kernels import gemv as G  # noqa: E402
 
 C = G.launch_config
-# op -> (prologue, index of its M = 1 row in CONFIGS[prologue], candidates)
+
+
+def fma_config(n: int, k: int, prologue: str) -> dict:
+    """``gemv_config(1, n, k, prologue)`` without the "tma" rows: this script tunes the fma/``vec`` rows
+    (the TMA rows, tuned by gpu_gemv_tma.py, run ahead of them where they apply)."""
+    return G.gemv_config(1, n, k, prologue, tma=False)
+
+
+def _fma_row(prologue: str, n: int, k: int) -> int:
+    # index of the M = 1 row of CONFIGS[prologue] that fma_config picks for [n, k]
+    cfg = fma_config(n, k, prologue)
+    return next(i for i, r in enumerate(G.CONFIGS[prologue]) if r[2] is cfg)
+
+
+# op -> (prologue, index of its M = 1 fma row in CONFIGS[prologue], candidates)
 OPS = {
     # The eighth session's first run tried gate_up at 8 and 16 columns x 1024 and down at 4-16 columns:
     # all slower than the 2-D table (BENCHMARKS.md). Narrower tiles won for QKV and o_proj, so these
     # are the narrow ones, not yet timed.
-    "gate_up": ("rmsnorm", 0, [
+    "gate_up": ("rmsnorm", _fma_row("rmsnorm", 28672, 4096), [
         C("fma", 1, n, k, programs_per_sm=p, norm_one_load=True, vec=8)
         for n, k, p in ((4, 2048, 8), (2, 2048, 8), (4, 1024, 8), (4, 2048, 12), (2, 4096, 8))
     ]),
-    "down": ("silu", 0, [
+    "down": ("silu", _fma_row("silu", 4096, 14336), [
         C("fma", 1, n, k, vec=8) for n, k in ((2, 2048), (1, 4096), (2, 4096), (4, 1024), (1, 2048))
     ]),
-    "qkv": ("rmsnorm", 2, [
+    "qkv": ("rmsnorm", _fma_row("rmsnorm", 6144, 4096), [
         C("fma", 1, n, k, programs_per_sm=p, norm_one_load=True, vec=8)
         for n, k, p in ((4, 2048, 12), (2, 2048, 8), (2, 2048, 12), (2, 4096, 8), (4, 4096, 8), (4, 1024, 12))
     ] + [C("fma", 1, 4, 2048, programs_per_sm=4, norm_one_load=True)]),  # the previous table's
-    "o": ("plain", 0, [
+    "o": ("plain", _fma_row("plain", 4096, 4096), [
         C("fma", 1, n, k, vec=8) for n, k in ((1, 4096), (2, 4096), (1, 2048), (2, 1024), (4, 4096), (4, 1024))
     ] + [C("fma", 1, 4, 1024)]),  # the previous table's
 }
@@ -282,16 +296,17 @@ def propose_rows(prologue: str, wanted: list[tuple[str, int, int, dict, bool]]):
 
 
 def table_with(prologue: str, m1_rows: list) -> list:
-    """``CONFIGS[prologue]`` with its M = 1 rows replaced by ``m1_rows``."""
-    return list(m1_rows) + [r for r in G.CONFIGS[prologue] if r[0] > 1]
+    """``CONFIGS[prologue]`` with its M = 1 fma rows replaced by ``m1_rows`` (its "tma" rows kept first)."""
+    tma = [r for r in G.CONFIGS[prologue] if r[0] == 1 and r[2].get("tma")]
+    return tma + list(m1_rows) + [r for r in G.CONFIGS[prologue] if r[0] > 1]
 
 
 def config_under(prologue: str, rows: list, n: int, k: int) -> dict:
-    """``gemv_config(1, n, k, prologue)`` if ``CONFIGS[prologue]`` were ``rows``."""
+    """``fma_config(n, k, prologue)`` if ``CONFIGS[prologue]`` were ``rows``."""
     saved = G.CONFIGS[prologue]
     G.CONFIGS[prologue] = rows
     try:
-        return G.gemv_config(1, n, k, prologue)
+        return fma_config(n, k, prologue)
     finally:
         G.CONFIGS[prologue] = saved
 
@@ -307,27 +322,27 @@ def summarize_tp2(best: dict, shared: dict) -> dict:
         wanted = []
         for op, (n, k, p) in tp1.items():
             if p == pro:
-                cfg = G.gemv_config(1, n, k, p)
+                cfg = fma_config(n, k, p)
                 same_n = TP2_SHAPES[op][0] == n and op in best
                 wanted.append((f"tp1 {op}", n, k, best[op] if same_n and shared.get(op) else cfg, True))
         for op, (n, k, p) in TP2_SHAPES.items():
             if p == pro:
-                wanted.append((f"tp2 {op}", n, k, best.get(op, G.gemv_config(1, n, k, p)), False))
+                wanted.append((f"tp2 {op}", n, k, best.get(op, fma_config(n, k, p)), False))
         rows, catches, notes = propose_rows(pro, wanted)
         table = table_with(pro, rows)
-        changed = any(config_under(pro, table, n, k) != G.gemv_config(1, n, k, pro) for _, n, k, _, _ in wanted)
+        changed = any(config_under(pro, table, n, k) != fma_config(n, k, pro) for _, n, k, _, _ in wanted)
         print(f"\nCONFIGS[{pro!r}] M = 1 rows{'' if changed else ' (unchanged)'}:")
         for i, (mm, nn, cfg) in enumerate(rows):
             print(f"    ({mm}, {nn}, {cfg_source(cfg)}),  # {', '.join(catches[i])}")
         for note in notes:
             print(f"  conflict: {note}")
         for lab, n, k, _, keep in wanted:
-            a, b = G.gemv_config(1, n, k, pro), config_under(pro, table, n, k)
+            a, b = fma_config(n, k, pro), config_under(pro, table, n, k)
             if keep and a != b:
                 print(f"  changes {lab} (N={n}, K={k}; measured above): {label(a)} -> {label(b)}")
         for name, (n, k, p) in others.items():
             if p == pro:
-                a, b = G.gemv_config(1, n, k, p), config_under(pro, table, n, k)
+                a, b = fma_config(n, k, p), config_under(pro, table, n, k)
                 if a != b:
                     print(f"  also changes {name} (N={n}, K={k}, not timed): {label(a)} -> {label(b)}")
         out[pro] = dict(rows=[(mm, nn, cfg_source(c)) for mm, nn, c in rows], notes=notes, changed=changed)
@@ -342,7 +357,7 @@ def main_tp2(a) -> int:
     for op in a.ops:
         n, k, pro = TP2_SHAPES[op]
         o = ShardOp(op, n, k, pro, gen)
-        cur = G.gemv_config(1, n, k, pro)
+        cur = fma_config(n, k, pro)
         floor = o.bytes() / (copy_gbs * 1e9) * 1e6
         cub = o.time(o.cublas)
         print(f"\n{op} [{n}, {k}] ({pro}): floor {floor:.1f} us, cuBLAS {cub:.1f} us ({100 * floor / cub:.0f}%)")
@@ -365,7 +380,7 @@ def main_tp2(a) -> int:
         if r["best"] is r["current"] or n1 != TP2_SHAPES[op][0]:
             continue
         o = GB.Op(SHAPE[op], 1, gen)
-        cur1 = G.gemv_config(1, n1, k1, o.prologue)
+        cur1 = fma_config(n1, k1, o.prologue)
         floor = o.bytes() / (copy_gbs * 1e9) * 1e6
         print(f"\nsame N at TP 1: {SHAPE[op]} [{n1}, {k1}], floor {floor:.1f} us")
         ranked, rr, b = time_configs(o, [cur1, r["best"]], floor)
@@ -443,7 +458,7 @@ def compile_check(ops: list[str]) -> int:
         n, k, pro = TP2_SHAPES[op]
         w = torch.empty(n, k, dtype=bf)
         x = torch.empty(1, 2 * k if pro == "silu" else k, dtype=bf)
-        cur = G.gemv_config(1, n, k, pro)
+        cur = fma_config(n, k, pro)
         for i, cfg in enumerate([cur] + [c for c in TP2_CANDIDATES[op] if c != cur]):
             start = len(ck.REPORT.specs)
             with contextlib.redirect_stdout(io.StringIO()):  # compile_kernels' own line per kernel

@@ -213,15 +213,18 @@ def silu_mul_gemv_ref(
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
                   norm_one_load: bool = False, early_weight: bool = False, vec: int = 0,
-                  late_trigger: bool = False) -> dict:
+                  late_trigger: bool = False, min_k: int = 0) -> dict:
     """One launch configuration.
 
     ``kind`` "fma" (register products; ``block_m`` up to 8), "dot" (``tl.dot``; every block
     >= 16) or "tma" (M = 1: ``block_m`` 1; weight tiles arrive by TMA into a ``num_stages``-deep
     shared-memory ring, products in registers; ``_gemv_tma_kernel``; no other option applies but
     ``late_trigger``: the next PDL kernel is let in after the K loop instead of at entry).
-    ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the grid at that many programs per SM, each looping over several column tiles (persistent
-    programs: the RMSNorm pass runs once per program instead of once per tile); 0 launches one
+    ``min_k``: as a launch-table row, the configuration only serves weights of at least that many
+    columns (:func:`gemv_config` passes over it for smaller K).
+    ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the grid at
+    that many programs per SM, each looping over several column tiles (persistent programs: the
+    RMSNorm pass runs once per program instead of once per tile); 0 launches one
     program per ``block_n`` columns. ``norm_one_load`` makes the RMSNorm pass one load of each
     whole row (when ``block_m * next_pow2(K) <= NORM_ONE_LOAD_MAX``; else the K-tile loop).
     ``early_weight`` issues a program's first weight tile before that one-load pass (RMSNorm
@@ -238,7 +241,8 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     return _check_config(dict(use_dot=kind == "dot", tma=kind == "tma", block_m=block_m, block_n=block_n,
                               block_k=block_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                               programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                              early_weight=early_weight, vec=vec, late_trigger=late_trigger))  # fmt: skip
+                              early_weight=early_weight, vec=vec, late_trigger=late_trigger,
+                              min_k=min_k))  # fmt: skip
 
 
 def _check_config(cfg: dict) -> dict:
@@ -271,14 +275,19 @@ K-tile loop until measured."""
 
 _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
-# N >= min N is used. Chosen by benchmarks/gpu_gemv.py --sweep on an H200 at the Llama-3.1-8B
-# shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode GEMV").
+# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/gpu_gemv.py --sweep
+# on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
+# GEMV"); the "tma" rows by benchmarks/gpu_gemv_tma.py in whole layers (BENCHMARKS.md twelfth session).
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
+        # TMA rows first (Llama-3.1-8B's gate/up and QKV at TP 1); each keeps its fma row after it, which
+        # runs where TMA cannot (KVPILOT_GEMV_TMA=0, pre-Hopper GPUs, unaligned weights).
+        (1, 16384, _cfg("tma", 1, 16, 256, num_stages=4, late_trigger=True)),
         (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
         # Tensor parallelism 2's gate/up and QKV shards ([14336, 4096], [3072, 4096]): 33.7 / 9.6 us
         # against 34.7 / 10.4 with the rows of the unsplit shapes (`gpu_gemv_vec.py --tp 2`).
         (1, 8192, _cfg("fma", 1, 8, 1024, norm_one_load=True, early_weight=True)),
+        (1, 4096, _cfg("tma", 1, 16, 256, num_stages=4, late_trigger=True)),
         (1, 4096, _cfg("fma", 1, 4, 2048, programs_per_sm=8, norm_one_load=True, vec=8)),
         (1, 0, _cfg("fma", 1, 4, 1024, programs_per_sm=6, norm_one_load=True, early_weight=True)),
         (2, 16384, _cfg("fma", 2, 8, 512, programs_per_sm=4)),
@@ -286,6 +295,8 @@ CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
         (16, 0, _cfg("dot", 16, 32, 256, num_stages=3, programs_per_sm=2)),
     ],
     "silu": [
+        # down_proj at TP 1 (K 14336); the shards of tensor parallelism keep the fma row (not measured).
+        (1, 0, _cfg("tma", 1, 8, 512, num_stages=4, late_trigger=True, min_k=8192)),
         (1, 0, _cfg("fma", 1, 8, 1024, num_stages=3)),
         (2, 0, _cfg("fma", 2, 8, 512)),
         (4, 0, _cfg("fma", 4, 8, 256, prefetch=True)),
@@ -313,7 +324,7 @@ def gemv_config(m: int, n: int, k: int, prologue: str = "plain", tma: bool = Tru
     weights a TMA descriptor cannot address). Raises ValueError when none does.
     """
     for max_m, min_n, cfg in CONFIGS[prologue]:
-        if m <= max_m and n >= min_n and (tma or not cfg.get("tma")):
+        if m <= max_m and n >= min_n and k >= cfg.get("min_k", 0) and (tma or not cfg.get("tma")):
             return cfg
     raise ValueError(f"no GEMV launch configuration for {m} rows of a [{n}, {k}] weight ({prologue})")
 

@@ -299,13 +299,16 @@ def _patch_gpu_paths() -> None:
 
     - ``attention._device_sms`` returns 4 for CPU tensors (so the interpreter tests exercise the
       split path); the split heuristics (``NUM_SPLITS`` constexpr) need the H200's 132 SMs.
-    - ``gemv._sm_count`` likewise (it only sizes the persistent grid, not a constexpr).
+    - ``gemv._sm_count`` likewise (it only sizes the persistent grid, not a constexpr), and
+      ``gemv._tma_device`` (the "tma" launch rows need an sm_90 device; on CPU tensors they would
+      fall back to their fma rows).
     Constexprs derived from the device itself are forced in ``_compile_only`` (``GPU_CONSTEXPRS``).
     """
     from kvpilot.kernels import attention, gemv
 
     attention._device_sms = lambda device: H200_SMS
     gemv._sm_count = lambda device: H200_SMS
+    gemv._tma_device = lambda device: True
 
 
 # ---- cases: the wrappers, called as the engine calls them on the GPU ----------------------------

@@ -54,7 +54,7 @@ def test_tp2_candidates_run_as_labelled_and_are_distinct(V):
     G = V.G
     for op, cands in V.TP2_CANDIDATES.items():
         n, k, pro = V.TP2_SHAPES[op]
-        current = G.gemv_config(1, n, k, pro)
+        current = V.fma_config(n, k, pro)
         keys = [V.spec_key(c, k, pro) + (c["programs_per_sm"],) for c in cands]
         assert len(set(keys)) == len(cands), f"{op}: duplicate candidates"
         timed = [current] + [c for c in cands if c != current]  # as the script times them (the table
@@ -79,9 +79,9 @@ def _wanted(V, best: dict, shared: dict) -> dict:
     for op, (n, k, p) in V.shard_shapes(1).items():
         same_n = V.TP2_SHAPES[op][0] == n and op in best
         out.setdefault(p, []).append((f"tp1 {op}", n, k, best[op] if same_n and shared.get(op) else
-                                      G.gemv_config(1, n, k, p), True))
+                                      V.fma_config(n, k, p), True))
     for op, (n, k, p) in V.TP2_SHAPES.items():
-        out.setdefault(p, []).append((f"tp2 {op}", n, k, best.get(op, G.gemv_config(1, n, k, p)), False))
+        out.setdefault(p, []).append((f"tp2 {op}", n, k, best.get(op, V.fma_config(n, k, p)), False))
     return out
 
 
@@ -90,7 +90,7 @@ def test_no_change_proposes_todays_rows(V):
     for pro, wanted in _wanted(V, {}, {}).items():
         rows, _, notes = V.propose_rows(pro, wanted)
         assert notes == []
-        assert rows == [r for r in G.CONFIGS[pro] if r[0] == 1]
+        assert rows == [r for r in G.CONFIGS[pro] if r[0] == 1 and not r[2].get("tma")]
 
 
 @pytest.mark.parametrize("pick", [0, 3, 7])
@@ -104,6 +104,7 @@ def test_proposed_rows_give_each_shape_its_configuration(V, pick, shared):
         table = V.table_with(pro, rows)
         assert rows[-1][1] == 0 and all(r[0] == 1 for r in rows)
         assert [r for r in table if r[0] > 1] == [r for r in G.CONFIGS[pro] if r[0] > 1]
+        assert [r for r in table if r[2].get("tma")] == [r for r in G.CONFIGS[pro] if r[2].get("tma")]
         assert sorted(sum(catches.values(), [])) == sorted(w[0] for w in wanted)
         for lab, n, k, cfg, keep in wanted:
             got = V.config_under(pro, table, n, k)
@@ -122,7 +123,7 @@ def test_gate_up_alone_on_tp1_gate_ups_row_is_the_8192_row(V):
     """The brief's example: TP-2 gate_up (N = 14336) on TP-1 gate_up's configuration is one row with
     min N 8192, which QKV's N (6144 at TP 1, 3072 at TP 2) does not reach."""
     G = V.G
-    tp1_row = G.CONFIGS["rmsnorm"][0][2]
+    tp1_row = V.fma_config(28672, 4096, "rmsnorm")
     rows, catches, notes = V.propose_rows("rmsnorm", _wanted(V, {"gate_up": tp1_row}, {})["rmsnorm"])
     assert rows[0] == (1, 8192, tp1_row) and rows[-1][1] == 0  # then the QKV rows, as the table has them
     assert sorted(catches[0]) == ["tp1 gate_up", "tp2 gate_up"] and notes == []
@@ -164,7 +165,9 @@ def test_tp2_configurations_compile_for_sm90_without_spills(V, tmp_path):
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [x for x in proc.stdout.splitlines() if x.startswith("| ") and "configuration" not in x]
-    assert len(lines) == sum(len(c) + 1 for c in V.TP2_CANDIDATES.values())  # + each op's current one
+    # each op's current configuration, then its candidates other than that one
+    assert len(lines) == sum(1 + sum(c != V.fma_config(*V.TP2_SHAPES[op]) for c in cands)
+                             for op, cands in V.TP2_CANDIDATES.items())
     assert "all configurations compiled without spills" in proc.stdout
     for line in lines:
         regs = int(line.split("|")[3])

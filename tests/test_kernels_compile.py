@@ -33,6 +33,7 @@ EXPECTED = [
     "pointwise._rotary_kernel",
     "pointwise._silu_and_mul_kernel",
     "gemv._gemv_kernel",
+    "gemv._gemv_tma_kernel",
     "sampling._plain_kernel",
     "sampling._max_kernel",
     "sampling._stats_kernel",

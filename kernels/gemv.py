@@ -280,14 +280,13 @@ _cfg = launch_config
 # GEMV"); the "tma" rows by benchmarks/gpu_gemv_tma.py in whole layers (BENCHMARKS.md twelfth session).
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
-        # TMA rows first (Llama-3.1-8B's gate/up and QKV at TP 1); each keeps its fma row after it, which
+        # TMA row first (Llama-3.1-8B's gate/up at TP 1); it keeps its fma row after it, which
         # runs where TMA cannot (KVPILOT_GEMV_TMA=0, pre-Hopper GPUs, unaligned weights).
         (1, 16384, _cfg("tma", 1, 16, 256, num_stages=4, late_trigger=True)),
         (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
         # Tensor parallelism 2's gate/up and QKV shards ([14336, 4096], [3072, 4096]): 33.7 / 9.6 us
         # against 34.7 / 10.4 with the rows of the unsplit shapes (`gpu_gemv_vec.py --tp 2`).
         (1, 8192, _cfg("fma", 1, 8, 1024, norm_one_load=True, early_weight=True)),
-        (1, 4096, _cfg("tma", 1, 16, 256, num_stages=4, late_trigger=True)),
         (1, 4096, _cfg("fma", 1, 4, 2048, programs_per_sm=8, norm_one_load=True, vec=8)),
         (1, 0, _cfg("fma", 1, 4, 1024, programs_per_sm=6, norm_one_load=True, early_weight=True)),
         (2, 16384, _cfg("fma", 2, 8, 512, programs_per_sm=4)),

@@ -277,12 +277,12 @@ _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
 # N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/gpu_gemv.py --sweep
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
-# GEMV"); the "tma" rows by benchmarks/gpu_gemv_tma.py in whole layers (BENCHMARKS.md twelfth session).
+# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/gpu_gemv_tma.py)
+# 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
+# (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
+# for the weights and devices TMA cannot serve.
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
-        # TMA row first (Llama-3.1-8B's gate/up at TP 1); it keeps its fma row after it, which
-        # runs where TMA cannot (KVPILOT_GEMV_TMA=0, pre-Hopper GPUs, unaligned weights).
-        (1, 16384, _cfg("tma", 1, 16, 256, num_stages=4, late_trigger=True)),
         (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
         # Tensor parallelism 2's gate/up and QKV shards ([14336, 4096], [3072, 4096]): 33.7 / 9.6 us
         # against 34.7 / 10.4 with the rows of the unsplit shapes (`gpu_gemv_vec.py --tp 2`).
@@ -294,8 +294,6 @@ CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
         (16, 0, _cfg("dot", 16, 32, 256, num_stages=3, programs_per_sm=2)),
     ],
     "silu": [
-        # down_proj at TP 1 (K 14336); the shards of tensor parallelism keep the fma row (not measured).
-        (1, 0, _cfg("tma", 1, 8, 512, num_stages=4, late_trigger=True, min_k=8192)),
         (1, 0, _cfg("fma", 1, 8, 1024, num_stages=3)),
         (2, 0, _cfg("fma", 2, 8, 512)),
         (4, 0, _cfg("fma", 4, 8, 256, prefetch=True)),

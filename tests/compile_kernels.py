@@ -427,6 +427,25 @@ def _gemv(sh: Shard, m):
     return case
 
 
+def _gemv_tma():
+    """The "tma" GEMV kind (no launch-table row uses it: configurations passed explicitly, as
+    benchmarks/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
+    def case():
+        from kvpilot.kernels import gemv as G
+
+        x = torch.empty(1, HIDDEN, dtype=BF16)
+        nw = torch.empty(HIDDEN, dtype=BF16)
+        cfg = G.launch_config("tma", 1, 16, 256, num_stages=4, late_trigger=True)
+        G.rmsnorm_gemv_triton(x, torch.empty_like(x), nw, EPS, torch.empty(2 * INTER, HIDDEN, dtype=BF16), config=cfg)
+        G.rmsnorm_gemv_triton(x, None, nw, EPS, torch.empty(6144, HIDDEN, dtype=BF16), config=cfg)
+        G.silu_mul_gemv_triton(torch.empty(1, 2 * INTER, dtype=BF16), torch.empty(HIDDEN, INTER, dtype=BF16),
+                               config=G.launch_config("tma", 1, 8, 512, num_stages=4))
+        G.gemv_triton(x, torch.empty(HIDDEN, HIDDEN, dtype=BF16), torch.empty(HIDDEN, dtype=BF16), config=cfg,
+                      out_dtype=torch.float32)
+
+    return case
+
+
 # Sampler rows: (temperature, top_k, top_p, min_p). g = greedy, t = plain temperature, k = top-k,
 # p = top-p, m = min-p, a = all three.
 _ROW_KINDS = {"g": (0.0, 0, 1.0, 0.0), "t": (0.8, 0, 1.0, 0.0), "k": (0.7, 50, 1.0, 0.0),
@@ -580,6 +599,7 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     # The batch-1 decode chain with programmatic dependent launch (kernels/pdl.py, on by default).
     out.append(("pdl=1 gemv M=1", _with_pdl(1, _gemv(one, 1))))
+    out.append(("pdl=1 gemv tma M=1", _with_pdl(1, _gemv_tma())))
     out.append(("pdl=1 attention decode fp8 kv, split", _with_pdl(1, _attention(one, [1], [3999], torch.float8_e4m3fn))))
     out.append(("pdl=1 rotary+kv write fp8 kv, 1 token", _with_pdl(1, _rotary_write(one, 1, torch.float8_e4m3fn))))
     out.append(("pdl=1 rms_norm + silu_and_mul, 1 token", _with_pdl(1, _pointwise(one, 1))))

@@ -246,6 +246,7 @@ def cases() -> list[tuple[str, object]]:
         out.append((f"gemv M={m}", ck._gemv(one, m)))
     out.append(("tp=8 gemv M=1 (K=1792, not a multiple of the K tile)", ck._gemv(tp8, 1)))
     out.append(("tp=8 gemv M=8", ck._gemv(tp8, 8)))
+    out.append(("gemv tma M=1 (explicit configurations)", ck._gemv_tma()))
     for dt, dn in ((bf16, "bf16"), (fp8, "fp8")):
         out.append((f"attention decode {dn}, 1 seq, split", ck._attention(one, [1], [3999], dt)))
         out.append((f"attention decode {dn}, 8 seqs, split", ck._attention(one, [1] * 8, [3000] * 8, dt)))

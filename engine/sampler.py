@@ -376,16 +376,27 @@ def greedy_ids(logits: torch.Tensor, out: Optional[torch.Tensor] = None, use_tri
     """``torch.argmax(logits, dim=-1)`` ([S] int64, into ``out`` when given): by
     `kvpilot.kernels.sampling.argmax` (same ids, spread over more programs; 27 -> a few us per batch-1
     step on an H200) when ``use_triton`` (default: CUDA logits, `triton_sampler_enabled` and Triton
-    importable) and the logits are contiguous along the vocabulary; else by ``torch.argmax``."""
+    importable) and that function takes the arguments (2-D float32/bfloat16/float16 logits contiguous
+    along a vocabulary of 1 .. 2**31 - 1 columns; ``out`` None or a contiguous [S] int64 tensor on
+    their device); else by ``torch.argmax``, whose errors it raises."""
     if use_triton is None:
         from .kernels import triton_available
 
         use_triton = logits.is_cuda and triton_sampler_enabled() and triton_available()
-    if use_triton and logits.dim() == 2 and logits.stride(1) == 1 and logits.shape[1] > 0:
+    if use_triton:
         from .kernels import sampling as ksampling
 
-        return ksampling.argmax(logits, out=out)
+        if _argmax_kernel_takes(logits, out, ksampling.ARGMAX_DTYPES):
+            return ksampling.argmax(logits, out=out)
     return torch.argmax(logits, dim=-1) if out is None else torch.argmax(logits, dim=-1, out=out)
+
+
+def _argmax_kernel_takes(logits: torch.Tensor, out: Optional[torch.Tensor], dtypes: tuple) -> bool:
+    # kernels.sampling.argmax's contract, so that greedy_ids never raises where torch.argmax would not
+    if logits.dim() != 2 or logits.stride(1) != 1 or not 0 < logits.shape[1] < 2**31 or logits.dtype not in dtypes:
+        return False
+    return out is None or (out.shape == logits.shape[:1] and out.dtype == torch.int64
+                           and out.device == logits.device and out.stride(0) == 1)
 
 
 class Sampler:

@@ -233,8 +233,11 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     ``[block_n, block_k / vec, vec]`` and sums each ``vec`` run of products at once, so the
     accumulator is ``vec`` times smaller (``vec`` = 16 bytes / element size keeps one vector per thread).
 
-    Raises ValueError on an unknown ``kind``, ``early_weight`` with ``prefetch``, or a ``vec`` that is
-    not 0 or a power of two or is combined with what it excludes.
+    Raises ValueError on an unknown ``kind``, ``early_weight`` with ``prefetch``, a ``vec`` that is
+    not 0 or a power of two or is combined with what it excludes, a "tma" configuration with any
+    other option, ``block_m`` > 1, ``block_n`` > 256 or ``block_k`` > 512, or ``late_trigger``
+    without "tma". (The *_triton functions refuse a "tma" configuration for a weight TMA cannot
+    address, ValueError; a "tma" launch-table row gives way to the next row instead.)
     """
     if kind not in ("fma", "dot", "tma"):
         raise ValueError(f"kind must be 'fma', 'dot' or 'tma', got {kind!r}")
@@ -245,6 +248,9 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
                               min_k=min_k))  # fmt: skip
 
 
+_TMA_MAX_BLOCK_K = 512  # columns of a "tma" weight block (measured on an H200; rows: at most 256)
+
+
 def _check_config(cfg: dict) -> dict:
     """``cfg`` itself after checking the option combinations the kernel cannot run (ValueError).
 
@@ -253,8 +259,11 @@ def _check_config(cfg: dict) -> dict:
     vec = cfg.get("vec", 0)
     if cfg.get("tma") and (cfg["block_m"] != 1 or cfg["use_dot"] or vec or cfg.get("prefetch")
                            or cfg.get("early_weight") or cfg.get("programs_per_sm") or cfg["num_stages"] < 1
-                           or cfg["block_n"] > 256 or cfg["block_k"] > 256 * 256):
-        raise ValueError("tma needs block_m 1, block_n <= 256, num_stages >= 1 and no other option")
+                           or cfg["block_n"] > 256 or cfg["block_k"] > _TMA_MAX_BLOCK_K):
+        raise ValueError(f"tma needs block_m 1, block_n <= 256, block_k <= {_TMA_MAX_BLOCK_K}, num_stages >= 1 "
+                         f"and no other option but late_trigger")
+    if cfg.get("late_trigger") and not cfg.get("tma"):
+        raise ValueError("late_trigger applies to the 'tma' kind only")
     if cfg.get("early_weight") and cfg.get("prefetch"):
         raise ValueError("early_weight and prefetch cannot be combined")
     if vec < 0 or vec & (vec - 1):
@@ -663,14 +672,23 @@ def _tma_device(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _tma_eligible(weight: torch.Tensor, m: int, cfg: dict) -> bool:
-    # A 2-D TMA descriptor of the weight: 16-byte aligned base and row stride, 16-bit elements, a
-    # block of at most 256 rows x 512 columns (measured on an H200) whose inner extent is at least 16
-    # bytes; M = 1.
+def _tma_refusal(weight: torch.Tensor, m: int, cfg: dict) -> str:
+    # Why the "tma" kind cannot run this launch ("" when it can): a 2-D TMA descriptor of the weight
+    # needs a 16-byte aligned base and row stride, 16-bit elements and a block whose inner extent is
+    # at least 16 bytes; the kernel computes one row (M = 0 launches nothing).
     es = weight.element_size()
-    return (TensorDescriptor is not None and m == 1 and es == 2 and weight.stride(1) == 1
-            and _tma_device(weight.device) and (weight.stride(0) * es) % 16 == 0 and weight.data_ptr() % 16 == 0
-            and cfg["block_k"] <= 512 and cfg["block_k"] * es >= 16)
+    if TensorDescriptor is None:
+        return "this Triton has no host-side TMA descriptors"
+    if not _tma_device(weight.device):
+        return f"TMA needs an sm_90+ CUDA device (or the interpreter), got {weight.device}"
+    if m > 1:
+        return f"the 'tma' kind computes M = 1 row, got {m}"
+    if es != 2 or weight.stride(1) != 1 or (weight.stride(0) * es) % 16 or weight.data_ptr() % 16:
+        return (f"TMA needs a 16-bit weight with a 16-byte aligned base and row stride, got {weight.dtype}, "
+                f"strides {weight.stride()}, base % 16 = {weight.data_ptr() % 16}")
+    if cfg["block_k"] * es < 16 or cfg["block_k"] > _TMA_MAX_BLOCK_K:
+        return f"TMA needs block_k * element size >= 16 bytes and block_k <= {_TMA_MAX_BLOCK_K}"
+    return ""
 
 
 @functools.lru_cache(maxsize=None)
@@ -706,10 +724,10 @@ def _launch(
         bias = bias.contiguous()  # the kernel reads bias[n] at b_ptr + n
     m, n = x.shape[0], weight.shape[0]
     cfg = _check_config(config) if config else gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
-    if cfg.get("tma") and not (_tma_eligible(weight, m, cfg) and (config or tma_enabled())):
+    refusal = _tma_refusal(weight, m, cfg) if cfg.get("tma") else ""
+    if cfg.get("tma") and (refusal or not (config or tma_enabled())):
         if config:
-            raise ValueError("a 'tma' configuration needs M = 1, a 16-bit weight with a 16-byte aligned base "
-                             "and row stride, and block_k <= 512")
+            raise ValueError(f"cannot run this 'tma' configuration: {refusal}")
         cfg = gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue], tma=False)
     if m > cfg["block_m"]:
         raise ValueError(f"{m} rows exceed the launch configuration's block_m={cfg['block_m']}")

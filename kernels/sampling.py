@@ -1110,6 +1110,11 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
                                                  enable_fp_fusion=False)
 
 
+ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Logits dtypes `argmax` takes (every value is exact in float32, where the kernels compare)."""
+_ARGMAX_MAX_CHUNKS = 1024
+
+
 def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` in two launches that spread each row over many programs.
 
@@ -1125,12 +1130,15 @@ def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     Returns:
         [S] int64 ids (``out`` when given).
     Raises:
-        ValueError: logits not 2-D or not contiguous along the vocabulary, an empty vocabulary, or a
-            wrong ``out``.
+        ValueError: logits not 2-D, not contiguous along the vocabulary or of another dtype (the
+            kernels compare in float32: float64 rows would tie where they differ), an empty
+            vocabulary, or a wrong ``out``.
     """
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [S, V] and contiguous along V, got {tuple(logits.shape)}, "
                          f"strides {logits.stride()}")
+    if logits.dtype not in ARGMAX_DTYPES:
+        raise ValueError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
     S, V = logits.shape
     if V == 0 or V >= 2**31:
         raise ValueError(f"the vocabulary must hold 1 .. 2**31 - 1 columns, got {V}")
@@ -1142,7 +1150,10 @@ def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     if S == 0:
         return out
     cfg = CONFIG
-    chunk = min(cfg["chunk"], max(cfg["block"], _pow2(V)))
+    # At most _ARGMAX_MAX_CHUNKS programs per row (CUDA's second grid dimension stops at 65,535 and
+    # the resolve program holds them all): chunks grow past CONFIG["chunk"] only for vocabularies
+    # above _ARGMAX_MAX_CHUNKS * CONFIG["chunk"] columns.
+    chunk = max(min(cfg["chunk"], max(cfg["block"], _pow2(V))), _pow2(triton.cdiv(V, _ARGMAX_MAX_CHUNKS)))
     block = min(cfg["block"], chunk)
     NS = triton.cdiv(V, chunk)
     pf, pi = _carve([S * NS, S * NS], torch.int32, dev)

@@ -309,8 +309,14 @@ def check(launches: list[Launch], pdl_kernels: set[str], nvdisasm: str | None) -
     return problems, lines
 
 
-# The kernels of kvpilot.kernels that take USE_PDL (scan mode checks only these names).
-PDL_KERNEL_NAMES = ("_decode_kernel", "_reduce_kernel", "_gemv_kernel", "_rotary_write_kv_kernel", "_rms_norm_kernel")
+def pdl_kernel_functions() -> dict[str, JITFunction]:
+    """"module_short.name" -> the @triton.jit kernels of kvpilot.kernels that take ``USE_PDL`` (not the
+    helpers of kernels/pdl.py), read from the sources: a new PDL kernel is checked without being
+    listed here (scan mode once missed ``_gemv_tma_kernel`` and ``_two_rank_all_reduce_kernel``)."""
+    from kvpilot.kernels import pdl
+
+    return {name: fn for name, fn in ck.jit_functions().items()
+            if "USE_PDL" in [p.name for p in fn.params] and fn.module != pdl.__name__}
 
 
 def scan_cache(cache_dir: str) -> int:
@@ -320,11 +326,12 @@ def scan_cache(cache_dir: str) -> int:
     import json
 
     nvdisasm = _nvdisasm()
+    names = {fn.fn.__name__ for fn in pdl_kernel_functions().values()}
     problems, n = [], 0
     for ptx_path in sorted(Path(os.path.expanduser(cache_dir)).glob("*/*.ptx")):
         ptx = ptx_path.read_text()
         entry = ptx_path.stem
-        if entry not in PDL_KERNEL_NAMES or "griddepcontrol.wait" not in ptx:
+        if entry not in names or "griddepcontrol.wait" not in ptx:
             continue
         meta = ptx_path.with_suffix(".json")
         if meta.exists():
@@ -376,19 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.self_test:
         return self_test(_nvdisasm())
     _force_pdl_rule()
-    # The kernels (not the helper pdl.pdl_enter) that take USE_PDL.
-    pdl_kernels = {name for name, fn in ck.jit_functions().items()
-                   if "USE_PDL" in [p.name for p in fn.params] and fn.module != pdl.__name__}
+    names = set(pdl_kernel_functions())
     nvdisasm = _nvdisasm()
     print(f"triton {triton.__version__}, sm_{ck.H200_CAPABILITY}, PDL up to {pdl.PDL_MAX_ROWS} rows, "
-          f"kernels with USE_PDL: {', '.join(sorted(pdl_kernels))}; SASS check: {'on' if nvdisasm else 'off'}")
+          f"kernels with USE_PDL: {', '.join(sorted(names))}; SASS check: {'on' if nvdisasm else 'off'}")
     for label, fn in cases():
         _CASE[0] = label
         with contextlib.redirect_stdout(io.StringIO()) as log:  # compile_kernels prints every spec
             fn()
         if args.verbose:
             print(f"== {label}\n{log.getvalue()}", end="")
-    problems, lines = check(LAUNCHES, pdl_kernels, nvdisasm)
+    problems, lines = check(LAUNCHES, names, nvdisasm)
     print("\n".join(lines))
     n_pdl = sum(ln.launch_pdl for ln in LAUNCHES)
     print(f"{len(LAUNCHES)} launches, {n_pdl} with PDL, {len(lines)} PDL specializations checked")

@@ -511,7 +511,11 @@ class Sampler:
             return False
         from .kernels import triton_available
 
-        return triton_available()
+        if not triton_available():
+            return False
+        from .kernels import sampling as ksampling
+
+        return logits.shape[-1] <= ksampling.MAX_VOCAB  # larger: the PyTorch path
 
     @staticmethod
     def _filtered(x: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, keys: Optional[torch.Tensor], sel,

@@ -101,6 +101,17 @@ CONFIG = {
 }
 """Launch parameters (tests shrink ``chunk`` and ``wcap`` to reach every path with a tiny vocab)."""
 
+MAX_VOCAB = 1 << 24
+"""Largest vocabulary `draw`, `raw_logprobs` and `apply_penalties` take (ValueError above it; the
+engine's sampler takes its PyTorch path there). Their grids have one program per row and column chunk
+(CUDA's second grid dimension stops at 65,535) and the reduce programs hold every chunk's partial
+result; 16M columns is 64x the largest vocabularies in use. `argmax` grows its chunks instead."""
+
+
+def _check_vocab(V: int) -> None:
+    if V > MAX_VOCAB:
+        raise ValueError(f"the Triton sampler kernels take at most {MAX_VOCAB} vocabulary columns, got {V}")
+
 
 # ---- hashing and noise: the same bits as kvpilot.sampler._row_keys / _gumbel_from_keys ---------
 @triton.jit
@@ -930,12 +941,14 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
         [S] int64 token ids on the logits' device; -1 where a filtered row needs the exact
         reference; rows in neither list are left uninitialised.
     Raises:
-        ValueError: logits not contiguous along the vocabulary, n_pivot outside [0, F], or
+        ValueError: logits not contiguous along the vocabulary, more than ``MAX_VOCAB`` columns,
+            n_pivot outside [0, F], or
             ``CONFIG["pivot_levels"]`` not a power of 2.
     """
     S, V = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits must be contiguous along the vocabulary")
+    _check_vocab(V)
     dev = logits.device
     cfg = CONFIG
     chunk = min(cfg["chunk"], max(cfg["block"], _pow2(V)))
@@ -1057,6 +1070,7 @@ def raw_logprobs(logits: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor,
     S, V = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("logits must be contiguous along the vocabulary")
+    _check_vocab(V)
     R, dev = rows.numel(), logits.device
     chunk = min(4096, _pow2(V))
     NS = triton.cdiv(V, chunk)
@@ -1101,6 +1115,7 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
         raise ValueError("logits must be float32 and contiguous along the vocabulary")
     if not counts.is_contiguous() or counts.shape[1] != V or counts.dtype != torch.int32:
         raise ValueError(f"counts must be a contiguous int32 [N, {V}] tensor")
+    _check_vocab(V)
     P = rows.numel()
     if P == 0 or not (rep or freq):
         return

@@ -373,3 +373,31 @@ def test_gpu_argmax_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(ids, torch.argmax(x, dim=-1)), seed
+
+
+# ---- the sampler kernels' vocabulary bound (lead, after the review's "left undone" note) -------
+def test_sampler_kernels_refuse_vocabularies_past_their_grid_and_the_sampler_takes_torch():
+    """`draw`, `raw_logprobs` and `apply_penalties` launch one program per 4,096-column chunk on the
+    grid's second dimension (at most 65,535) and reduce every chunk's partial in one program: past
+    ``MAX_VOCAB`` they raise ValueError, and the "auto" sampler takes its PyTorch path instead."""
+    from kvpilot.sampler import Sampler
+
+    V = KS.MAX_VOCAB + 1
+    meta = torch.empty(2, V, device="meta")
+    idx = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="at most"):
+        KS.draw(meta, torch.empty(2, 4), torch.empty(2, 4, dtype=torch.int64), idx, idx[:0])
+    with pytest.raises(ValueError, match="at most"):
+        KS.raw_logprobs(meta, idx, idx, 0)
+    with pytest.raises(ValueError, match="at most"):
+        KS.apply_penalties(meta, idx, idx, torch.empty(1, V, dtype=torch.int32, device="meta"),
+                           torch.empty(1, 3))
+
+    class CudaLogits:  # what Sampler._use_triton reads of a CUDA logits tensor
+        is_cuda = True
+
+        def __init__(self, v: int) -> None:
+            self.shape = (2, v)
+
+    assert Sampler("auto")._use_triton(CudaLogits(KS.MAX_VOCAB)) is True
+    assert Sampler("auto")._use_triton(CudaLogits(V)) is False

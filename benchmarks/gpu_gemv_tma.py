@@ -4,7 +4,7 @@ against the current fused GEMVs and cuBLAS, per Llama-3.1-8B shape.
 Usage (one H200 after `pip install -e .`; about 1 minute):
 
     python3 benchmarks/gpu_gemv_tma.py [--ops gate_up down qkv o_proj] [--json PATH]
-    python3 benchmarks/gpu_gemv_tma.py --layers 32 [--contexts 512 4096]   # whole layers, table variants
+    python3 benchmarks/gpu_gemv_tma.py --layers 32 [--contexts 512 4096] [--kv-fp8] [--graph-bound 33024]
 
 Question: the fused fma GEMVs read weights at 3.9-4.1 TB/s in steady state, while cuBLAS's LM head
 reads at 4.5 TB/s. The fma kernel keeps each weight tile in registers (no pipelining: one tile in
@@ -132,7 +132,7 @@ def _tma(bn: int, bk: int, stages: int = 4, warps: int = 4, late: bool = False) 
 
 LAYER_VARIANTS: dict[str, dict[str, dict]] = {
     "fma (previous rows)": {},
-    "late gate_up + down 8x512, qkv fma (table)": {"gate_up": _tma(16, 256, late=True),
+    "late gate_up + down 8x512, qkv fma": {"gate_up": _tma(16, 256, late=True),
                                                    "down": _tma(8, 512, late=True)},
     "late, down 8x512": {"gate_up": _tma(16, 256, late=True), "down": _tma(8, 512, late=True),
                          "qkv": _tma(16, 256, late=True)},
@@ -174,6 +174,8 @@ def layers_main(a) -> int:
         mods, caches, meta, positions, cos_sin, hidden0 = D.build_layers(a.layers, ctx)
         if a.kv_fp8:  # the engine benchmarks' cache (KvCacheConfig(dtype="fp8"))
             caches = [c.to(torch.float8_e4m3fn) for c in caches]
+        if a.graph_bound:  # attention launched for this many keys, as the engine's decode graphs are
+            meta.max_seq_len = max(a.graph_bound, ctx)
         for m in mods:
             m.fused_gemv = True
         pristine = [c.clone() for c in caches]
@@ -231,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kv-fp8", action="store_true", help="--layers: FP8 KV caches (as the engine benchmarks)")
+    ap.add_argument("--graph-bound", type=int, default=0,
+                    help="--layers: launch attention for this many keys (the engine's graphs: max_seq_len, "
+                         "e.g. 33024; default: the context)")
     a = ap.parse_args(argv)
     if a.layers:
         return layers_main(a)

@@ -208,10 +208,15 @@ class LlamaAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        # One launch: rotates q (in place on CUDA), writes rotated k and v to their slots.
-        q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                self.scale, meta.max_query_len, meta.max_seq_len)
+        if meta.max_query_len == 1:  # decode-only: one launch at small batch (kernels.rotary_decode_attention)
+            out = K.rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                                            meta.max_seq_len)
+        else:
+            # One launch: rotates q (in place on CUDA), writes rotated k and v to their slots.
+            q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                    self.scale, meta.max_query_len, meta.max_seq_len)
         out = out.reshape(n, self.q_size)
         return self.pc.row_parallel(out, self.o_proj.weight, self.o_proj.bias, KG.gemv if fused_gemv else KG.gemv_ref,
                                     self.reduce_fp32, self.ar_site)

@@ -228,10 +228,15 @@ class InvariantAttention(nn.Module):
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                self.scale, meta.max_query_len, meta.max_seq_len,
-                                launch_kv_heads=self.launch_kv_heads)
+        if meta.max_query_len == 1:  # decode-only: one launch at small batch (kernels.rotary_decode_attention)
+            out = K.rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping,
+                                            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale,
+                                            meta.max_seq_len, launch_kv_heads=self.launch_kv_heads)
+        else:
+            q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
+            out = K.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                    self.scale, meta.max_query_len, meta.max_seq_len,
+                                    launch_kv_heads=self.launch_kv_heads)
         out = out.reshape(n, self.q_size)
         matmul = KG.gemv if fused_gemv else KG.gemv_ref
         parts = []

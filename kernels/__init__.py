@@ -1,7 +1,9 @@
 """Kernels of the kvpilot engine: paged attention, KV-cache write, RMSNorm, rotary, SiLU-and-mul.
 
 ``rotary_write_kv_cache`` fuses rotary embedding with the KV-cache write (one launch per layer
-instead of two); the engine's attention layer calls it.
+instead of two); the engine's attention layer calls it before prefill and mixed steps' attention.
+``rotary_decode_attention`` fuses both with the decode attention of decode-only batches (one launch
+instead of three at small batch sizes).
 
 Every op exists in three names:
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 
 import torch
 
@@ -52,6 +55,9 @@ __all__ = [
     "apply_rotary",
     "apply_rotary_ref",
     "apply_rotary_triton",
+    "rotary_decode_attention",
+    "rotary_decode_attention_ref",
+    "rotary_decode_attention_triton",
     "rotary_write_kv_cache",
     "rotary_write_kv_cache_ref",
     "rotary_write_kv_cache_triton",
@@ -91,6 +97,25 @@ def paged_attention_triton(*args, **kwargs):
     and ``launch_kv_heads`` (see ``kernels/attention.py``).
     """
     return _triton_impl("attention", "paged_attention_triton")(*args, **kwargs)
+
+
+def rotary_decode_attention_triton(*args, **kwargs):
+    """Triton version of :func:`rotary_decode_attention_ref` in one launch (same arguments, plus
+    ``num_splits`` and ``launch_kv_heads``; see ``kernels/attention.py``). ``q`` is not modified."""
+    return _triton_impl("attention", "rotary_decode_attention_triton")(*args, **kwargs)
+
+
+def rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                                seq_lens, query_start_loc, scale, max_seq_len):
+    """Rotary + KV-cache write + attention of a decode-only batch (every query one token or none).
+
+    Exactly :func:`~kvpilot.kernels.reference.rotary_write_kv_cache_ref` followed by
+    :func:`~kvpilot.kernels.reference.paged_attention_ref` with ``max_query_len = 1``; see those for
+    shapes, dtypes and errors. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; ``q`` is
+    not modified.
+    """
+    q = rotary_write_kv_cache_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, max_seq_len)
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -198,6 +223,49 @@ def rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
 
 
 _fused_rotary_failed = False
+
+
+def fused_decode_attention_enabled() -> bool:
+    """``KVPILOT_FUSED_DECODE_ATTN`` (default on): decode-only batches of at most
+    ``kernels.attention.TUNING["decode"]["fused_rotary_max_seqs"]`` sequences run
+    `rotary_decode_attention`'s one-launch kernel. ``0`` keeps the rotary + write and attention
+    launches (A/B benchmarks)."""
+    return os.environ.get("KVPILOT_FUSED_DECODE_ATTN", "1") not in ("0", "false", "False", "no")
+
+
+def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
+                            seq_lens, query_start_loc, scale, max_seq_len, *, launch_kv_heads=None):
+    """Rotary, KV-cache write and attention of a decode-only batch (``max_query_len == 1``).
+
+    On CUDA with Triton: one launch (`rotary_decode_attention_triton`) for batches of at most
+    ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences while `fused_decode_attention_enabled`,
+    else `rotary_write_kv_cache` then `paged_attention`; elsewhere `rotary_decode_attention_ref`.
+    Callers must use the returned output only (``q`` may or may not be rotated in place).
+    ``launch_kv_heads`` as for `paged_attention`.
+    """
+    if not _use_triton(q):
+        return rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                           block_tables, seq_lens, query_start_loc, scale, max_seq_len)
+    global _fused_decode_failed
+    tuning = _triton_impl("attention", "TUNING")["decode"]
+    if (not _fused_decode_failed and fused_decode_attention_enabled()
+            and seq_lens.shape[0] <= tuning.get("fused_rotary_max_seqs", 0)):
+        try:
+            return rotary_decode_attention_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                                                  block_tables, seq_lens, query_start_loc, scale, max_seq_len,
+                                                  launch_kv_heads=launch_kv_heads)
+        except ValueError:
+            raise
+        except Exception:  # noqa: BLE001 - e.g. a Triton version that cannot compile it
+            # As for the fused rotary kernel: the switch happens in an eager step, before capture.
+            logger.warning("fused decode attention kernel failed; using the unfused launches", exc_info=True)
+            _fused_decode_failed = True
+    q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, max_seq_len,
+                           launch_kv_heads=launch_kv_heads)
+
+
+_fused_decode_failed = False
 
 
 def silu_and_mul(x):

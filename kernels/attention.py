@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_cache import _saturate, _to_cache
 from .pdl import launch_options, pdl_enter, pdl_mode
 
-from .reference import _check_attention_args
+from .reference import _check_attention_args, _check_rotary_args, _check_write_args
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ TUNING = {
         # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp (seventh session). Split launches
         # (long contexts at small batch) keep the eager update: lazy measured 6-8% slower there.
         "lazy_rescale": True,
+        # Decode-only batches of at most this many sequences run `rotary_decode_attention_triton`
+        # (rotary + KV write + split decode + merge in one launch) instead of three launches.
+        "fused_rotary_max_seqs": 8,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -260,59 +264,32 @@ def _split_size(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.conste
     return tl.maximum(per, MIN_SPLIT)
 
 
-# The split count and the block-table row stride change from step to step (eager steps): as runtime
-# values that Triton does not specialise on, they do not compile a new kernel variant each time one
-# is seen for the first time (each compile stalled an H200 engine step for ~1 s).
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
-def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_splits,
-    stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh,
-    stride_bt,
-    NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
-):  # fmt: skip
-    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(qsl_ptr + seq)
-    q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    kv_start = split * partition_size
-    if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
-        return
-    kv_end = tl.minimum(seq_len, kv_start + partition_size)
-
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    head = kv_head * GROUP + g
-    d = tl.arange(0, HEAD_DIM_PAD)
-    d_ok = d < HEAD_DIM
-    token = q_start.to(tl.int64)
-    q = tl.load(
-        q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=g_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+@triton.jit
+def _dot_queries(q, DOT_FP32: tl.constexpr, KV_F16: tl.constexpr):
+    """Queries in the dtype of the decode kernels' dots: fp32 (``DOT_FP32``), fp16 saturated at
+    +-65504 for an FP8 cache (``KV_F16``: e4m3 -> f16 is one conversion, -> bf16 several), else
+    unchanged."""
     if DOT_FP32:
         q = q.to(tl.float32)
-    elif KV_F16:  # an FP8 cache: dots in fp16 (e4m3 -> f16 is one conversion; -> bf16 is several)
+    elif KV_F16:
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
+
+@triton.jit
+def _attend_keys(
+    q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, d, d_ok,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_G: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+):  # fmt: skip
+    """Online softmax of one GQA group's queries ``q`` ``[BLOCK_G, HEAD_DIM_PAD]`` over keys
+    ``[kv_start, kv_end)`` of one kv head (scores times ``scale_log2``), gathered tile by tile through the block-table row
+    ``bt_row``. Returns ``(acc, m_i, l_i)``: the unnormalised fp32 output ``[BLOCK_G, HEAD_DIM_PAD]``,
+    the running max and the softmax denominator (log2 domain), both ``[BLOCK_G]``."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
@@ -363,6 +340,59 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
+    return acc, m_i, l_i
+
+
+# The split count and the block-table row stride change from step to step (eager steps): as runtime
+# values that Triton does not specialise on, they do not compile a new kernel variant each time one
+# is seen for the first time (each compile stalled an H200 engine step for ~1 s).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_splits,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    kv_start = split * partition_size
+    if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
+        return
+    kv_end = tl.minimum(seq_len, kv_start + partition_size)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    token = q_start.to(tl.int64)
+    q = tl.load(
+        q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    q = _dot_queries(q, DOT_FP32, KV_F16)
+    acc, m_i, l_i = _attend_keys(
+        q, scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, kv_start,
+        kv_end, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, LAZY_RESCALE,
+    )  # fmt: skip
 
     out = acc / l_i[:, None]
     if not SPLIT:
@@ -408,6 +438,136 @@ def _reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=d < HEAD_DIM,
     )
+
+
+@triton.jit
+def _rotate_half(x_ptrs, partner_ptrs, mask, cos, sin, lo):
+    """Rotary embedding (rotate-half convention, `kvpilot.kernels.reference.apply_rotary_ref`) of the
+    rows at ``x_ptrs``: ``x * cos + rotate_half(x) * sin`` in fp32, where element ``d`` of
+    ``rotate_half(x)`` is ``-x[d + HALF]`` for ``d < HALF`` (``lo``) and ``x[d - HALF]`` after;
+    ``partner_ptrs`` point at ``x[d +- HALF]`` and ``cos``/``sin`` are repeated over both halves."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(partner_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x * cos + tl.where(lo, -xp, xp) * sin
+
+
+# num_splits and the block-table stride as runtime values, as for _decode_kernel.
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+def _rotary_decode_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
+    k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, num_splits,
+    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLIT: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, SATURATE: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """`_rotary_write_kv_kernel` + `_decode_kernel` + `_reduce_kernel` in one launch (decode-only
+    batches). Program (sequence, kv head, split) rotates its group's queries in registers; the
+    program holding the sequence's last key (the new token) first rotates that token's key and
+    writes it and its value to the cache slot, then walks its keys as `_decode_kernel` does. With
+    splits, each program stores its partial output and log-sum-exp, then counts itself done on the
+    (sequence, kv head)'s counter; the last one to finish merges the partials and resets the
+    counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction)."""
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
+    kv_start = split * partition_size
+    if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
+        return
+    kv_end = tl.minimum(seq_len, kv_start + partition_size)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    lo = d < HALF
+    partner = tl.where(lo, d + HALF, d - HALF)
+    token = q_start.to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    cs = tl.where(lo, d, d - HALF)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + cs, mask=d_ok, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + cs, mask=d_ok, other=0.0)
+    q_row = q_ptr + token * stride_qt + head[:, None] * stride_qh
+    q_ok = g_ok[:, None] & d_ok[None, :]
+    q = _rotate_half(q_row + d[None, :], q_row + partner[None, :], q_ok, cos[None, :], sin[None, :], lo[None, :])
+    q = _dot_queries(q.to(q_ptr.dtype.element_ty), DOT_FP32, KV_F16)
+
+    if kv_end == seq_len:  # this program's keys end with the new token: write it to its slot first
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            k_row = k_ptr + token * stride_knt + kv_head * stride_knh
+            k_new = _rotate_half(k_row + d, k_row + partner, d_ok, cos, sin, lo)
+            v_new = tl.load(v_ptr + token * stride_vnt + kv_head * stride_vnh + d, mask=d_ok)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            # Rounded to k's dtype first, as `_rotary_write_kv_kernel` does.
+            tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d,
+                     _to_cache(k_new.to(k_ptr.dtype.element_ty), k_cache_ptr, SATURATE), mask=d_ok)
+            tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d,
+                     _to_cache(v_new, v_cache_ptr, SATURATE), mask=d_ok)
+        # The whole program reads the slot below: its writes are visible to the CTA after a barrier.
+        tl.debug_barrier()
+
+    acc, m_i, l_i = _attend_keys(
+        q, scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, kv_start,
+        kv_end, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
+    )  # fmt: skip
+    out = acc / l_i[:, None]
+    if not SPLIT:
+        tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_ok)
+    else:
+        # part_out: [num_seqs, NUM_HEADS, num_splits, HEAD_DIM_PAD]; part_lse: [.., num_splits].
+        base = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits
+        tl.store(part_out_ptr + (base + split)[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
+        tl.store(part_lse_ptr + base + split, m_i + tl.log2(l_i), mask=g_ok)
+        # Every thread's partials are stored before the count (barrier); the atomic is acq_rel at
+        # GPU scope, so the program that counts last sees every other program's partials.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        num_valid = tl.cdiv(seq_len, partition_size)
+        if done == num_valid - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            # Online merge of the partials, MERGE_CHUNK splits at a time ([GROUP_PAD, chunk, dims]).
+            gm = tl.arange(0, GROUP_PAD)
+            gm_ok = gm < GROUP
+            head_m = kv_head * GROUP + gm
+            base_m = (seq.to(tl.int64) * NUM_HEADS + head_m) * num_splits
+            m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+            wsum = tl.zeros([GROUP_PAD], dtype=tl.float32)
+            o = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+            for c in range(0, num_valid, MERGE_CHUNK):
+                sp = c + tl.arange(0, MERGE_CHUNK)
+                ok = gm_ok[:, None] & (sp < num_valid)[None, :]
+                rows = base_m[:, None] + sp[None, :]
+                lse = tl.load(part_lse_ptr + rows, mask=ok, other=float("-inf"), cache_modifier=".cg")
+                m_new = tl.where(gm_ok, tl.maximum(m, tl.max(lse, 1)), 0.0)  # finite: split 0 is valid
+                alpha = tl.exp2(m - m_new)
+                w = tl.exp2(lse - m_new[:, None])
+                part = tl.load(part_out_ptr + rows[:, :, None] * HEAD_DIM_PAD + d[None, None, :],
+                               mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+                o = o * alpha[:, None] + tl.sum(part * w[:, :, None], 1)
+                wsum = wsum * alpha + tl.sum(w, 1)
+                m = m_new
+            tl.store(out_ptr + token * stride_ot + head_m[:, None] * stride_oh + d[None, :],
+                     (o / wsum[:, None]).to(out_ptr.dtype.element_ty), mask=gm_ok[:, None] & d_ok[None, :])
 
 
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
@@ -482,6 +642,21 @@ def _num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torc
         return 1
     want = math.ceil(cfg["programs_per_sm"] * sms / programs)
     return max(1, min(want, math.ceil(max_seq_len / cfg["min_split_tokens"]), 64))
+
+
+def _decode_launch(num_seqs: int, launch_kv_heads: int, max_seq_len: int, head_dim_pad: int,
+                   device: torch.device, num_splits: int | None) -> tuple[int, bool, int, int]:
+    """``(splits, full, block_n, min_split)`` of a decode launch: the context splits (``num_splits``
+    or `_num_splits`, capped so that each fills ``min_split`` keys of the longest context; each
+    sequence then divides its own context over them, `_split_size`), whether the batch fills the GPU
+    without splits (the full-batch launch options), the key tile and the fewest keys of a split."""
+    cfg = TUNING["decode"]
+    splits = num_splits or _num_splits(num_seqs, launch_kv_heads, max_seq_len, device)
+    full = splits == 1 and num_seqs * launch_kv_heads >= cfg["no_split_per_sm"] * _device_sms(device)
+    block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
+    min_split = max(block_n, triton.cdiv(cfg["min_split_tokens"], block_n) * block_n)
+    splits = max(1, min(splits, triton.cdiv(max(max_seq_len, 1), min_split)))
+    return splits, full, block_n, min_split
 
 
 def paged_attention_triton(
@@ -593,14 +768,9 @@ def paged_attention_triton(
             return out
         num_splits = None  # an override above was the prefill kernel's
 
-    splits = num_splits or _num_splits(num_seqs, launch_kv_heads, max_seq_len, q.device)
     cfg = TUNING["decode"]
-    full = splits == 1 and num_seqs * launch_kv_heads >= cfg["no_split_per_sm"] * _device_sms(q.device)
-    block_n = cfg["block_n"] if head_dim_pad <= 128 else cfg["block_n"] // 2
-    min_split = max(block_n, triton.cdiv(cfg["min_split_tokens"], block_n) * block_n)
-    # No more splits than the longest context can fill at min_split keys each; each sequence then
-    # divides its own context over them (`_split_size`).
-    splits = max(1, min(splits, triton.cdiv(max(max_seq_len, 1), min_split)))
+    splits, full, block_n, min_split = _decode_launch(num_seqs, launch_kv_heads, max_seq_len, head_dim_pad,
+                                                      q.device, num_splits)
     if splits > 1:
         part_out = torch.empty(
             num_seqs, num_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device
@@ -634,4 +804,127 @@ def paged_attention_triton(
             num_warps=1 if triton.next_power_of_2(splits) * head_dim_pad <= 16 * 128 else 4,
             USE_PDL=pdl > 0, **launch_options(pdl),
         )  # fmt: skip
+    return out
+
+
+_SPLIT_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []  # outgrown buffers that captured CUDA graphs may still use
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` (sequence, kv head) counters on ``device`` for
+    `_rotary_decode_kernel`'s split fix-up. Every launch leaves it zeroed again, so one buffer per
+    device serves every layer and every replay of a captured graph; launches on one device must not
+    run concurrently on two streams. Grown (never shrunk or freed) past 4,096 counters."""
+    key = (device.type, device.index)
+    buf = _SPLIT_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        if buf is not None:
+            _RETIRED_COUNTERS.append(buf)
+        buf = torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+        _SPLIT_COUNTERS[key] = buf
+    return buf
+
+
+def rotary_decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    *,
+    num_splits: int | None = None,
+    launch_kv_heads: int | None = None,
+) -> torch.Tensor:
+    """Rotary embedding, KV-cache write and decode attention of a decode-only batch in one launch.
+
+    Computes what :func:`kvpilot.kernels.kv_cache.rotary_write_kv_cache_triton` followed by
+    :func:`paged_attention_triton` with ``max_query_len = 1`` compute (the same rounding: the
+    rotated query and key are rounded to ``q``'s and ``k``'s dtype, the key then to the cache's), in
+    one kernel instead of three (rotary + write, split decode, split merge): at batch 1 each launch
+    cost the layer's dependent chain a few microseconds on an H200. The merge of context splits is
+    done by the split that finishes last (a per-(sequence, kv head) counter, `_split_counters`); its
+    result can differ from `_reduce_kernel`'s in the last bit of fp32 (another summation order).
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]`` bf16/fp16/fp32 queries before rotary; NOT modified
+            (unlike the unfused path, which rotates ``q`` in place).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` the new keys (before rotary) and values.
+        positions, cos_sin_cache, slot_mapping: as for
+            :func:`kvpilot.kernels.reference.rotary_write_kv_cache_ref`.
+        k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len: as for
+            :func:`kvpilot.kernels.reference.paged_attention_ref`; every sequence's query is one token
+            (decode) or none (padding), and its new token is the last of its ``seq_lens`` keys.
+        num_splits, launch_kv_heads: as for :func:`paged_attention_triton`.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Rows of tokens no sequence covers are
+        unwritten (``torch.empty``), and such tokens' K/V are not written to the cache.
+
+    Raises:
+        ValueError: on the shape, stride or ``launch_kv_heads`` errors of the two unfused functions.
+    """
+    _check_rotary_args(q, k, positions, cos_sin_cache)
+    _check_write_args(k, v, k_cache, v_cache, slot_mapping)
+    _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_tables", block_tables), ("cos_sin_cache", cos_sin_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    if launch_kv_heads is None:
+        launch_kv_heads = num_kv_heads
+    elif not (isinstance(launch_kv_heads, int) and launch_kv_heads >= 1 and num_kv_heads % launch_kv_heads == 0):
+        raise ValueError(f"launch_kv_heads must be a positive divisor of the {num_kv_heads} KV heads, "
+                         f"got {launch_kv_heads!r}")
+    num_seqs = seq_lens.shape[0]
+    out = torch.empty_like(q)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    seq_lens = seq_lens.to(torch.int32)
+    query_start_loc = query_start_loc.to(torch.int32)
+    head_dim_pad = _pow2_at_least(head_dim)
+    kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
+    cfg = TUNING["decode"]
+    splits, _, block_n, min_split = _decode_launch(num_seqs, launch_kv_heads, max_seq_len, head_dim_pad, q.device,
+                                                   num_splits)
+    group_pad = triton.next_power_of_2(group)
+    if splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        counters = _split_counters(q.device, num_seqs * num_kv_heads)
+    else:
+        part_out = part_lse = counters = out  # unused
+    pdl = pdl_mode(q.device, num_seqs)
+    _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
+        q, k, v, positions, cos_sin_cache, slot_mapping,
+        k_cache, v_cache, out, part_out, part_lse, counters,
+        block_tables, seq_lens, query_start_loc,
+        float(scale) * _LOG2E, splits,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLIT=splits > 1, MIN_SPLIT=min_split,
+        GROUP=group, BLOCK_G=_pow2_at_least(group), GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, HALF=head_dim // 2,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_FP32=q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16, KV_F16=kv_f16,
+        SATURATE=_saturate(k_cache),
+        # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers, 64 rows at most.
+        MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), 64 // group_pad)),
+        USE_PDL=pdl > 0, **launch_options(pdl),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
     return out

@@ -390,6 +390,22 @@ def _rotary_write(sh: Shard, tokens, kv_dtype):
     return case
 
 
+def _rotary_decode(sh: Shard, ctx_lens, kv_dtype):
+    """The fused rotary + KV write + decode attention of a decode-only batch (one token per sequence)."""
+    def case():
+        from kvpilot.kernels.attention import rotary_decode_attention_triton
+
+        b = _batch([1] * len(ctx_lens), ctx_lens)
+        cos_sin = torch.empty(8192, HEAD_DIM, dtype=torch.float32)
+        q, k, v = _qkv(sh, len(ctx_lens))
+        k_cache, v_cache = _kv_cache(sh, kv_dtype, num_blocks=b["block_tables"].numel())
+        rotary_decode_attention_triton(q, k, v, b["positions"], cos_sin, k_cache, v_cache, b["slot_mapping"],
+                                       b["block_tables"], b["seq_lens"], b["query_start_loc"], HEAD_DIM ** -0.5,
+                                       b["max_seq_len"])
+
+    return case
+
+
 def _pointwise(sh: Shard, tokens):
     def case():
         from kvpilot.kernels import rms_norm_triton, silu_and_mul_triton
@@ -586,6 +602,10 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         # Rotary + KV write: < 32 tokens split heads over programs, from 32 on one program per token.
         out.append((f"rotary+kv write {dn} kv, 1 token", _rotary_write(one, 1, dt)))
         out.append((f"rotary+kv write {dn} kv, 256 tokens", _rotary_write(one, 256, dt)))
+        # Fused rotary + write + decode: 1 x 4,000 keys and 8 x 1,000 split; 8 x 40 keys do not.
+        out.append((f"rotary+decode {dn} kv, split", _rotary_decode(one, [3999], dt)))
+        out.append((f"rotary+decode {dn} kv, 8 seqs, split", _rotary_decode(one, [999] * 8, dt)))
+        out.append((f"rotary+decode {dn} kv, 8 seqs, no split", _rotary_decode(one, [39] * 8, dt)))
     for t in (1, 256):  # RMSNorm's early weight load is on up to 64 rows
         out.append((f"rms_norm + silu_and_mul, {t} tokens", _pointwise(one, t)))
     for m in (1, 2, 8):
@@ -595,6 +615,7 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 attention decode bf16 kv, split", _attention(tp8, [1], [3999], BF16)))
     out.append(("tp=8 attention prefill fp8 kv, mixed", _attention(tp8, [512, 1], [0, 500], torch.float8_e4m3fn)))
     out.append(("tp=8 rotary+kv write bf16 kv, 1 token", _rotary_write(tp8, 1, BF16)))
+    out.append(("tp=8 rotary+decode bf16 kv, split", _rotary_decode(tp8, [3999], BF16)))
     out.append(("tp=8 rms_norm + silu_and_mul, 1 token", _pointwise(tp8, 1)))
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     # The batch-1 decode chain with programmatic dependent launch (kernels/pdl.py, on by default).
@@ -602,6 +623,8 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("pdl=1 gemv tma M=1", _with_pdl(1, _gemv_tma())))
     out.append(("pdl=1 attention decode fp8 kv, split", _with_pdl(1, _attention(one, [1], [3999], torch.float8_e4m3fn))))
     out.append(("pdl=1 rotary+kv write fp8 kv, 1 token", _with_pdl(1, _rotary_write(one, 1, torch.float8_e4m3fn))))
+    out.append(("pdl=1 rotary+decode fp8 kv, split", _with_pdl(1, _rotary_decode(one, [3999], torch.float8_e4m3fn))))
+    out.append(("pdl=1 rotary+decode bf16 kv, split", _with_pdl(1, _rotary_decode(one, [3999], BF16))))
     out.append(("pdl=1 rms_norm + silu_and_mul, 1 token", _with_pdl(1, _pointwise(one, 1))))
     # Tensor parallelism 2: the one-shot all-reduce (PDL at batch 1, not at 64 tokens)
     out.append(("pdl=1 two-rank all-reduce bf16, 1 token", _with_pdl(1, _all_reduce(1, BF16))))

@@ -254,6 +254,8 @@ def cases() -> list[tuple[str, object]]:
         out.append((f"attention mixed {dn}, prefill + 2 decodes", ck._attention(one, [7, 1, 1], [0, 90, 300], dt)))
         out.append((f"rotary+kv write {dn}, 1 token", ck._rotary_write(one, 1, dt)))
         out.append((f"rotary+kv write {dn}, 8 tokens", ck._rotary_write(one, 8, dt)))
+        out.append((f"rotary+decode {dn}, 1 seq, split", ck._rotary_decode(one, [3999], dt)))
+        out.append((f"rotary+decode {dn}, 8 seqs, no split", ck._rotary_decode(one, [39] * 8, dt)))
     out.append(("attention decode bf16, 16 seqs (no PDL)", ck._attention(one, [1] * 16, [3000] * 16, bf16)))
     out.append(("tp=8 attention decode bf16, 1 seq, split", ck._attention(tp8, [1], [3999], bf16)))
     out.append(("tp=8 rotary+kv write bf16, 1 token", ck._rotary_write(tp8, 1, bf16)))

@@ -27,6 +27,7 @@ EXPECTED = [
     "attention._prefill_reduce_kernel",
     "attention._decode_kernel",
     "attention._reduce_kernel",
+    "attention._rotary_decode_kernel",
     "kv_cache._write_kv_kernel",
     "kv_cache._rotary_write_kv_kernel",
     "pointwise._rms_norm_kernel",

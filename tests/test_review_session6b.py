@@ -83,8 +83,8 @@ def test_pdl_kernels_touch_no_global_memory_before_griddepcontrol_wait(tmp_path)
     checked = [line for line in out.splitlines() if line.startswith("ok ")]
     kernels = {line.split()[1] for line in checked}
     assert kernels == {"allreduce._two_rank_all_reduce_kernel", "attention._decode_kernel",
-                       "attention._reduce_kernel", "gemv._gemv_kernel", "gemv._gemv_tma_kernel",
-                       "kv_cache._rotary_write_kv_kernel",
+                       "attention._reduce_kernel", "attention._rotary_decode_kernel", "gemv._gemv_kernel",
+                       "gemv._gemv_tma_kernel", "kv_cache._rotary_write_kv_kernel",
                        "pointwise._rms_norm_kernel"}, kernels
     # The pipelined tl.dot GEMV (M = 8: BLOCK_M=16, 3 stages of cp.async) is among them, and the
     # attention kernel with and without context splits and with the FP8 cache.
@@ -151,7 +151,8 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
             assert not [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits], (fname, name, called)
             assert name in launches, f"{fname}: {name} takes USE_PDL but is never launched with launch_options"
     assert sorted(set(launches)) == ["_decode_kernel", "_gemv_kernel", "_gemv_tma_kernel", "_reduce_kernel",
-                                     "_rms_norm_kernel", "_rotary_write_kv_kernel", "_two_rank_all_reduce_kernel"]
+                                     "_rms_norm_kernel", "_rotary_decode_kernel", "_rotary_write_kv_kernel",
+                                     "_two_rank_all_reduce_kernel"]
 
 
 # ---- findings -------------------------------------------------------------------------------------

@@ -225,14 +225,12 @@ def rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
 _fused_rotary_failed = False
 
 
-def fused_decode_attention_mode() -> str:
-    """``KVPILOT_FUSED_DECODE_ATTN``: ``"1"`` (default) runs decode-only batches of at most
-    ``kernels.attention.TUNING["decode"]["fused_rotary_max_seqs"]`` sequences through
-    `rotary_decode_attention`'s one-launch kernel; ``"0"`` (also false/no) keeps the rotary + write
-    and attention launches; ``"write"`` runs the fused kernel with the new key written, then read back
-    (``new_key_from_registers=False``; A/B benchmarks)."""
-    value = os.environ.get("KVPILOT_FUSED_DECODE_ATTN", "1")
-    return "0" if value in ("0", "false", "False", "no") else ("write" if value == "write" else "1")
+def fused_decode_attention_enabled() -> bool:
+    """``KVPILOT_FUSED_DECODE_ATTN`` (default on): decode-only batches of at most
+    ``kernels.attention.TUNING["decode"]["fused_rotary_max_seqs"]`` sequences run
+    `rotary_decode_attention`'s one-launch kernel; ``0`` (also false/no) keeps the rotary + write
+    and attention launches (A/B benchmarks)."""
+    return os.environ.get("KVPILOT_FUSED_DECODE_ATTN", "1") not in ("0", "false", "False", "no")
 
 
 def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
@@ -240,7 +238,7 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     """Rotary, KV-cache write and attention of a decode-only batch (``max_query_len == 1``).
 
     On CUDA with Triton: one launch (`rotary_decode_attention_triton`) for batches of at most
-    ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences unless `fused_decode_attention_mode` is "0",
+    ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences while `fused_decode_attention_enabled`,
     else `rotary_write_kv_cache` then `paged_attention`; elsewhere `rotary_decode_attention_ref`.
     Callers must use the returned output only (``q`` may or may not be rotated in place).
     ``launch_kv_heads`` as for `paged_attention`.
@@ -250,13 +248,12 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                            block_tables, seq_lens, query_start_loc, scale, max_seq_len)
     global _fused_decode_failed
     tuning = _triton_impl("attention", "TUNING")["decode"]
-    mode = fused_decode_attention_mode()
-    if not _fused_decode_failed and mode != "0" and seq_lens.shape[0] <= tuning.get("fused_rotary_max_seqs", 0):
+    if (not _fused_decode_failed and fused_decode_attention_enabled()
+            and seq_lens.shape[0] <= tuning.get("fused_rotary_max_seqs", 0)):
         try:
             return rotary_decode_attention_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   block_tables, seq_lens, query_start_loc, scale, max_seq_len,
-                                                  launch_kv_heads=launch_kv_heads,
-                                                  new_key_from_registers=False if mode == "write" else None)
+                                                  launch_kv_heads=launch_kv_heads)
         except ValueError:
             raise
         except Exception:  # noqa: BLE001 - e.g. a Triton version that cannot compile it

@@ -80,8 +80,8 @@ TUNING = {
         # Decode-only batches of at most this many sequences run `rotary_decode_attention_triton`
         # (rotary + KV write + split decode + merge in one launch) instead of three launches.
         "fused_rotary_max_seqs": 8,
-        # The fused kernel's new token: from registers (True) or written, then read back (False).
-        "fused_new_key_from_registers": True,
+        # Launch of `rotary_decode_attention_triton` (tests/benchmarks may override them).
+        "fused_num_warps": 4,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -470,15 +470,13 @@ def _rotary_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, SATURATE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, NEW_KEY_FROM_REGISTERS: tl.constexpr = True, USE_PDL: tl.constexpr = False,
+    MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_rotary_write_kv_kernel` + `_decode_kernel` + `_reduce_kernel` in one launch (decode-only
-    batches). Program (sequence, kv head, split) rotates its group's queries in registers and walks
-    its keys as `_decode_kernel` does. The program holding the sequence's last key (the new token)
-    also rotates that token's key and writes it and its value to the cache slot: with
-    ``NEW_KEY_FROM_REGISTERS`` its loop stops before that key, which joins the softmax from
-    registers after the loop (the score as an fp32 sum instead of a tensor-core dot); otherwise it
-    writes first and reads the key back with the others after a CTA barrier. With
+    batches). Program (sequence, kv head, split) rotates its group's queries in registers; the
+    program holding the sequence's last key (the new token) first rotates that token's key and
+    writes it and its value to the cache slot (visible to its own threads after a CTA barrier), then
+    every program walks its keys as `_decode_kernel` does. With
     splits, each program stores its partial output and log-sum-exp, then counts itself done on the
     (sequence, kv head)'s counter; the last one to finish merges the partials and resets the
     counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction)."""
@@ -512,63 +510,28 @@ def _rotary_decode_kernel(
     q = _rotate_half(q_row + d[None, :], q_row + partner[None, :], q_ok, cos[None, :], sin[None, :], lo[None, :])
     q = _dot_queries(q.to(q_ptr.dtype.element_ty), DOT_FP32, KV_F16)
 
-    is_last = kv_end == seq_len  # this program's keys end with the new token
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if not NEW_KEY_FROM_REGISTERS:
-        if is_last:  # write the new token to its slot, then read it back with the cached keys
-            slot = tl.load(slot_ptr + token).to(tl.int64)
-            if slot >= 0:
-                k_row = k_ptr + token * stride_knt + kv_head * stride_knh
-                k_new = _rotate_half(k_row + d, k_row + partner, d_ok, cos, sin, lo)
-                v_new = tl.load(v_ptr + token * stride_vnt + kv_head * stride_vnh + d, mask=d_ok)
-                blk = slot // BLOCK_SIZE
-                off = slot % BLOCK_SIZE
-                # Rounded to k's dtype first, as `_rotary_write_kv_kernel` does.
-                tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d,
-                         _to_cache(k_new.to(k_ptr.dtype.element_ty), k_cache_ptr, SATURATE), mask=d_ok)
-                tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d,
-                         _to_cache(v_new, v_cache_ptr, SATURATE), mask=d_ok)
-            # The whole program reads the slot below: its writes are visible to the CTA after a barrier.
-            tl.debug_barrier()
-        acc, m_i, l_i = _attend_keys(
-            q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, d, d_ok,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
-        )  # fmt: skip
-    else:
-        # The new token's inputs are loaded before the key loop (masked off in other programs), the
-        # loop stops short of it, and it joins the softmax from registers after the loop: no program
-        # waits for its own cache write.
+    if kv_end == seq_len:  # this program's keys end with the new token: write it to its slot first
         slot = tl.load(slot_ptr + token).to(tl.int64)
-        k_row = k_ptr + token * stride_knt + kv_head * stride_knh
-        new_ok = d < tl.where(is_last, HEAD_DIM, 0)  # d_ok in the last program, else nothing
-        kx = tl.load(k_row + d, mask=new_ok, other=0.0).to(tl.float32)
-        kp = tl.load(k_row + partner, mask=new_ok, other=0.0).to(tl.float32)
-        v_new = tl.load(v_ptr + token * stride_vnt + kv_head * stride_vnh + d, mask=new_ok, other=0.0)
-        acc, m_i, l_i = _attend_keys(
-            q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end - is_last.to(tl.int32), d,
-            d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
-        )  # fmt: skip
-        if is_last:
-            # Rounded to k's dtype, then to the cache's, as `_rotary_write_kv_kernel` writes it.
-            k_c = _to_cache((kx * cos + tl.where(lo, -kp, kp) * sin).to(k_ptr.dtype.element_ty), k_cache_ptr, SATURATE)
-            v_c = _to_cache(v_new, v_cache_ptr, SATURATE)
-            if slot >= 0:
-                blk = slot // BLOCK_SIZE
-                off = slot % BLOCK_SIZE
-                tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d, k_c, mask=d_ok)
-                tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d, v_c, mask=d_ok)
-            # The cached values as `_attend_keys` would read them: in the dots' dtype, p rounded to it.
-            k_q = k_c.to(q.dtype).to(tl.float32)
-            v_q = v_c.to(q.dtype).to(tl.float32)
-            s_new = tl.sum(q.to(tl.float32) * k_q[None, :], 1) * scale_log2
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p_new = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p_new
-            acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * v_q[None, :]
-            m_i = m_new
+        if slot >= 0:
+            k_row = k_ptr + token * stride_knt + kv_head * stride_knh
+            k_new = _rotate_half(k_row + d, k_row + partner, d_ok, cos, sin, lo)
+            v_new = tl.load(v_ptr + token * stride_vnt + kv_head * stride_vnh + d, mask=d_ok)
+            blk = slot // BLOCK_SIZE
+            off = slot % BLOCK_SIZE
+            # Rounded to k's dtype first, as `_rotary_write_kv_kernel` does.
+            tl.store(k_cache_ptr + blk * stride_kb + off * stride_ks + kv_head * stride_kh + d,
+                     _to_cache(k_new.to(k_ptr.dtype.element_ty), k_cache_ptr, SATURATE), mask=d_ok)
+            tl.store(v_cache_ptr + blk * stride_vb + off * stride_vs + kv_head * stride_vh + d,
+                     _to_cache(v_new, v_cache_ptr, SATURATE), mask=d_ok)
+        # The whole program reads the slot below: its writes are visible to the CTA after a barrier.
+        # (Taking the new key from registers instead, the loop stopping short of it, measured slower
+        # in the engine: BENCHMARKS.md, thirteenth session.)
+        tl.debug_barrier()
+    acc, m_i, l_i = _attend_keys(
+        q, scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, kv_start,
+        kv_end, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
+    )  # fmt: skip
     out = acc / l_i[:, None]
     if not SPLIT:
         tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -884,7 +847,6 @@ def rotary_decode_attention_triton(
     *,
     num_splits: int | None = None,
     launch_kv_heads: int | None = None,
-    new_key_from_registers: bool | None = None,
 ) -> torch.Tensor:
     """Rotary embedding, KV-cache write and decode attention of a decode-only batch in one launch.
 
@@ -895,10 +857,6 @@ def rotary_decode_attention_triton(
     cost the layer's dependent chain a few microseconds on an H200. The merge of context splits is
     done by the split that finishes last (a per-(sequence, kv head) counter, `_split_counters`); its
     result can differ from `_reduce_kernel`'s in the last bit of fp32 (another summation order).
-    The new token's key and value enter the softmax from registers
-    (``new_key_from_registers``, default ``TUNING["decode"]["fused_new_key_from_registers"]``; its
-    score is then an fp32 sum, not a tensor-core dot: last-bit differences again), or are read back
-    from the cache after the program's own write (False). A slot of ``-1`` skips only the write.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` bf16/fp16/fp32 queries before rotary; NOT modified
@@ -910,7 +868,6 @@ def rotary_decode_attention_triton(
             :func:`kvpilot.kernels.reference.paged_attention_ref`; every sequence's query is one token
             (decode) or none (padding), and its new token is the last of its ``seq_lens`` keys.
         num_splits, launch_kv_heads: as for :func:`paged_attention_triton`.
-        new_key_from_registers: see above; None takes the ``TUNING`` default.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Rows of tokens no sequence covers are
@@ -971,9 +928,7 @@ def rotary_decode_attention_triton(
         SATURATE=_saturate(k_cache),
         # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers, 64 rows at most.
         MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), 64 // group_pad)),
-        NEW_KEY_FROM_REGISTERS=bool(cfg["fused_new_key_from_registers"] if new_key_from_registers is None
-                                    else new_key_from_registers),
         USE_PDL=pdl > 0, **launch_options(pdl),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["fused_num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

@@ -8,7 +8,6 @@ the kernel in a CUDA graph and compare with the unfused kernels bit for bit wher
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
@@ -76,15 +75,14 @@ CASES = [  # ctx, heads, kv_heads, head_dim, block, dtype, num_splits, pad
 
 
 @needs_triton
-@pytest.mark.parametrize("regs", [True, False])
 @pytest.mark.parametrize("ctx,heads,kv_heads,head_dim,block,dtype,num_splits,pad", CASES)
-def test_fused_matches_reference_composition(ctx, heads, kv_heads, head_dim, block, dtype, num_splits, pad, regs):
+def test_fused_matches_reference_composition(ctx, heads, kv_heads, head_dim, block, dtype, num_splits, pad):
     fused, unfused = _triton()
     args = _decode_batch(ctx, heads, kv_heads, head_dim, block, dtype, pad=pad)
     q_before = args[0].clone()
     kc_ref, vc_ref = args[5].clone(), args[6].clone()
     want = rotary_decode_attention_ref(*_with_caches(args, kc_ref, vc_ref))
-    got = fused(*args, num_splits=num_splits, new_key_from_registers=regs)
+    got = fused(*args, num_splits=num_splits)
     n = len(ctx)
     tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got[:n], want[:n], **tol)
@@ -98,15 +96,14 @@ def test_fused_matches_reference_composition(ctx, heads, kv_heads, head_dim, blo
 
 
 @needs_triton
-@pytest.mark.parametrize("regs", [True, False])
-def test_fp8_cache_same_bytes_as_unfused_and_close_to_reference(regs):
+def test_fp8_cache_same_bytes_as_unfused_and_close_to_reference():
     fused, unfused = _triton()
     args = _decode_batch([90, 200], 8, 2, 32, 16, torch.float16, cache_dtype=torch.float8_e4m3fn, pad=1)
     kc_u, vc_u = args[5].clone(), args[6].clone()
     want_u = unfused(*_with_caches(args, kc_u, vc_u), num_splits=4)
     kc_r, vc_r = args[5].clone(), args[6].clone()
     want_r = rotary_decode_attention_ref(*_with_caches(args, kc_r, vc_r))
-    got = fused(*args, num_splits=4, new_key_from_registers=regs)
+    got = fused(*args, num_splits=4)
     assert torch.equal(args[5].view(torch.uint8), kc_u.view(torch.uint8))
     assert torch.equal(args[6].view(torch.uint8), vc_u.view(torch.uint8))
     torch.testing.assert_close(got[:2], want_u[:2], atol=2e-3, rtol=2e-3)
@@ -176,8 +173,7 @@ def test_dispatcher_uses_the_reference_on_cpu():
 
 
 @needs_triton
-@pytest.mark.parametrize("env,max_seqs,fused_calls", [("1", 8, [None]), ("write", 8, [False]), ("0", 8, []),
-                                                      ("no", 8, []), ("1", 1, [])])
+@pytest.mark.parametrize("env,max_seqs,fused_calls", [("1", 8, 1), ("0", 8, 0), ("no", 8, 0), ("1", 1, 0)])
 def test_dispatcher_switch_and_batch_limit(monkeypatch, env, max_seqs, fused_calls):
     """``KVPILOT_FUSED_DECODE_ATTN=0`` and batches over ``fused_rotary_max_seqs`` take the unfused
     launches; both give the reference's values."""
@@ -187,14 +183,14 @@ def test_dispatcher_switch_and_batch_limit(monkeypatch, env, max_seqs, fused_cal
     calls = []
     monkeypatch.setattr(K, "_use_triton", lambda t: True)
     monkeypatch.setattr(K, "rotary_decode_attention_triton",
-                        lambda *a, **kw: calls.append(kw["new_key_from_registers"]) or fused(*a, **kw))
+                        lambda *a, **kw: calls.append(1) or fused(*a, **kw))
     monkeypatch.setenv("KVPILOT_FUSED_DECODE_ATTN", env)
     monkeypatch.setitem(A.TUNING["decode"], "fused_rotary_max_seqs", max_seqs)
     args = _decode_batch([40, 19], 8, 2, 32, 16, torch.float32)
     kc, vc = args[5].clone(), args[6].clone()
     want = rotary_decode_attention_ref(*_with_caches(args, kc, vc))
     got = rotary_decode_attention(*args)
-    assert calls == fused_calls
+    assert len(calls) == fused_calls
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(args[5], kc, atol=2e-5, rtol=2e-5)
 
@@ -224,10 +220,9 @@ def test_dispatcher_falls_back_once_when_the_fused_kernel_fails(monkeypatch):
 # ---- GPU: Llama-3.1-8B shapes --------------------------------------------------------------------
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("regs", [True, False])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("ctx,bound", [([512], 2048), ([3999], 4000), ([640], 33024), ([777, 1, 64, 2048], 4096)])
-def test_gpu_fused_equals_unfused_llama8b(cache_dtype, ctx, bound, regs):
+def test_gpu_fused_equals_unfused_llama8b(cache_dtype, ctx, bound):
     """Same cache bytes as the unfused launches; outputs within one bf16 ulp of theirs (the split merge
     sums in another order); a CUDA-graph replay (PDL on) gives the eager launch's output exactly."""
     fused, unfused = _triton()
@@ -235,7 +230,6 @@ def test_gpu_fused_equals_unfused_llama8b(cache_dtype, ctx, bound, regs):
     args = args[:-1] + (bound,)
     kc_u, vc_u = args[5].clone(), args[6].clone()
     want = unfused(*_with_caches(args, kc_u, vc_u))
-    fused = functools.partial(fused, new_key_from_registers=regs)
     got = fused(*args)
     n = len(ctx)
     assert torch.equal(args[5].view(torch.uint8), kc_u.view(torch.uint8))

@@ -13,8 +13,9 @@ layer in one CUDA graph of all layers, alternated ``--rounds`` times:
 
 - ``unfused``: ``KVPILOT_FUSED_DECODE_ATTN=0`` (rotary + KV write, split decode, split merge);
 - ``fused``: today's launch (``kernels.attention.TUNING["decode"]``);
-- ``fused w2`` / ``fused w8``: 2 or 8 warps per program;
-- ``fused split128``: at least 128 keys per context split (fewer, longer programs).
+- ``fused w2``: 2 warps per program;
+- ``fused max32`` / ``max16``: at most 32 or 16 context splits (fewer, longer programs; fewer to merge);
+- ``fused merge128``: 128 (head, split) rows of partials merged per round trip instead of 64.
 
 Each variant's output after one layer must be within 2e-2 of ``unfused``'s and its last layer's
 KV cache must equal ``unfused``'s bit for bit (same new key and value written); exits 1 otherwise.
@@ -40,8 +41,11 @@ VARIANTS = {  # name -> (KVPILOT_FUSED_DECODE_ATTN, TUNING["decode"] overrides)
     "unfused": ("0", {}),
     "fused": ("1", {}),
     "fused w2": ("1", {"fused_num_warps": 2}),
-    "fused w8": ("1", {"fused_num_warps": 8}),
-    "fused split128": ("1", {"min_split_tokens": 128}),
+    "fused max32": ("1", {"fused_max_splits": 32}),
+    "fused max32 w2": ("1", {"fused_max_splits": 32, "fused_num_warps": 2}),
+    "fused max16": ("1", {"fused_max_splits": 16}),
+    "fused merge128": ("1", {"fused_merge_rows": 128}),
+    "fused max32 merge128": ("1", {"fused_max_splits": 32, "fused_merge_rows": 128}),
 }
 BUCKETS = (2048, 8192, 32768)
 

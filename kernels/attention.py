@@ -80,8 +80,12 @@ TUNING = {
         # Decode-only batches of at most this many sequences run `rotary_decode_attention_triton`
         # (rotary + KV write + split decode + merge in one launch) instead of three launches.
         "fused_rotary_max_seqs": 8,
-        # Launch of `rotary_decode_attention_triton` (tests/benchmarks may override them).
+        # Launch of `rotary_decode_attention_triton` (tests/benchmarks may override them): warps,
+        # most context splits (its last split merges them all, `fused_merge_rows` (heads x splits)
+        # at a time, one L2 round trip each).
         "fused_num_warps": 4,
+        "fused_max_splits": 64,
+        "fused_merge_rows": 64,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -902,6 +906,8 @@ def rotary_decode_attention_triton(
     cfg = TUNING["decode"]
     splits, _, block_n, min_split = _decode_launch(num_seqs, launch_kv_heads, max_seq_len, head_dim_pad, q.device,
                                                    num_splits)
+    if num_splits is None:
+        splits = min(splits, cfg["fused_max_splits"])
     group_pad = triton.next_power_of_2(group)
     if splits > 1:
         part_out = torch.empty(num_seqs, num_heads, splits, head_dim_pad, dtype=torch.float32, device=q.device)
@@ -926,8 +932,8 @@ def rotary_decode_attention_triton(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_FP32=q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16, KV_F16=kv_f16,
         SATURATE=_saturate(k_cache),
-        # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers, 64 rows at most.
-        MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), 64 // group_pad)),
+        # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers.
+        MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), cfg["fused_merge_rows"] // group_pad)),
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["fused_num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

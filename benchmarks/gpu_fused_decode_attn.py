@@ -13,9 +13,12 @@ layer in one CUDA graph of all layers, alternated ``--rounds`` times:
 
 - ``unfused``: ``KVPILOT_FUSED_DECODE_ATTN=0`` (rotary + KV write, split decode, split merge);
 - ``fused``: today's launch (``kernels.attention.TUNING["decode"]``);
-- ``fused w2``: 2 warps per program;
-- ``fused max32`` / ``max16``: at most 32 or 16 context splits (fewer, longer programs; fewer to merge);
-- ``fused merge128``: 128 (head, split) rows of partials merged per round trip instead of 64.
+- ``fused early``: the step's metadata loaded before the PDL wait (``fused_early_metadata``);
+- ``fused w2``: 2 warps per program (``fused_num_warps``), also with ``early`` and with 32 (head,
+  split) rows of partials merged per round trip (``fused_merge_rows``);
+- ``fused max32 merge128``: at most 32 context splits, 128 rows merged per round trip.
+(The fourth call of the thirteenth session also timed 8 warps, at least 128 keys per split, at most
+16 or 32 splits and 128 merged rows alone: BENCHMARKS.md.)
 
 Each variant's output after one layer must be within 2e-2 of ``unfused``'s and its last layer's
 KV cache must equal ``unfused``'s bit for bit (same new key and value written); exits 1 otherwise.
@@ -40,11 +43,10 @@ from kvpilot.kernels import attention as A  # noqa: E402
 VARIANTS = {  # name -> (KVPILOT_FUSED_DECODE_ATTN, TUNING["decode"] overrides)
     "unfused": ("0", {}),
     "fused": ("1", {}),
+    "fused early": ("1", {"fused_early_metadata": True}),
     "fused w2": ("1", {"fused_num_warps": 2}),
-    "fused max32": ("1", {"fused_max_splits": 32}),
-    "fused max32 w2": ("1", {"fused_max_splits": 32, "fused_num_warps": 2}),
-    "fused max16": ("1", {"fused_max_splits": 16}),
-    "fused merge128": ("1", {"fused_merge_rows": 128}),
+    "fused early w2": ("1", {"fused_early_metadata": True, "fused_num_warps": 2}),
+    "fused w2 merge32": ("1", {"fused_num_warps": 2, "fused_merge_rows": 32}),
     "fused max32 merge128": ("1", {"fused_max_splits": 32, "fused_merge_rows": 128}),
 }
 BUCKETS = (2048, 8192, 32768)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache import _saturate, _to_cache
-from .pdl import launch_options, pdl_enter, pdl_mode
+from .pdl import launch_options, pdl_enter, pdl_mode, pdl_trigger, pdl_wait
 
 from .reference import _check_attention_args, _check_rotary_args, _check_write_args
 
@@ -86,6 +86,9 @@ TUNING = {
         "fused_num_warps": 4,
         "fused_max_splits": 64,
         "fused_merge_rows": 64,
+        # With PDL, load the step's metadata (query ranges, lengths, positions, slots, the first
+        # tile's block ids) and the rotary table before waiting for the QKV projection.
+        "fused_early_metadata": False,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -288,18 +291,27 @@ def _attend_keys(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_G: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    blk_first=None, FIRST_PRELOADED: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax of one GQA group's queries ``q`` ``[BLOCK_G, HEAD_DIM_PAD]`` over keys
-    ``[kv_start, kv_end)`` of one kv head (scores times ``scale_log2``), gathered tile by tile through the block-table row
-    ``bt_row``. Returns ``(acc, m_i, l_i)``: the unnormalised fp32 output ``[BLOCK_G, HEAD_DIM_PAD]``,
-    the running max and the softmax denominator (log2 domain), both ``[BLOCK_G]``."""
+    ``[kv_start, kv_end)`` of one kv head (scores times ``scale_log2``), gathered tile by tile through
+    the block-table row ``bt_row``. Returns ``(acc, m_i, l_i)``: the unnormalised fp32 output
+    ``[BLOCK_G, HEAD_DIM_PAD]``, the running max and the softmax denominator (log2 domain), both
+    ``[BLOCK_G]``. With
+    ``FIRST_PRELOADED``, ``blk_first`` ``[BLOCK_N]`` int64 holds the first tile's cache blocks, loaded
+    by the caller (e.g. before its PDL wait)."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
     for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
-        blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        if FIRST_PRELOADED:
+            later = n < tl.where(start != kv_start, kv_end, 0)  # n_ok, except in the first tile
+            blk = tl.load(bt_row + n // BLOCK_SIZE, mask=later, other=0).to(tl.int64)
+            blk = tl.where(start == kv_start, blk_first, blk)
+        else:
+            blk = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
         off = n % BLOCK_SIZE
         k = tl.load(
             k_cache_ptr + blk[None, :] * stride_kb + off[None, :] * stride_ks
@@ -474,7 +486,7 @@ def _rotary_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, SATURATE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    MERGE_CHUNK: tl.constexpr, EARLY_METADATA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_rotary_write_kv_kernel` + `_decode_kernel` + `_reduce_kernel` in one launch (decode-only
     batches). Program (sequence, kv head, split) rotates its group's queries in registers; the
@@ -484,7 +496,10 @@ def _rotary_decode_kernel(
     splits, each program stores its partial output and log-sum-exp, then counts itself done on the
     (sequence, kv head)'s counter; the last one to finish merges the partials and resets the
     counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction)."""
-    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    if EARLY_METADATA:
+        pdl_trigger(USE_PDL)  # the wait comes after the metadata loads below
+    else:
+        pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -496,6 +511,9 @@ def _rotary_decode_kernel(
     if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
         return
     kv_end = tl.minimum(seq_len, kv_start + partition_size)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    n0 = kv_start + tl.arange(0, BLOCK_N)
+    blk_first = tl.load(bt_row + n0 // BLOCK_SIZE, mask=n0 < kv_end, other=0).to(tl.int64)
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
@@ -509,13 +527,17 @@ def _rotary_decode_kernel(
     cs = tl.where(lo, d, d - HALF)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cs, mask=d_ok, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + cs, mask=d_ok, other=0.0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if EARLY_METADATA:
+        # Everything above is the step's metadata (written before the step's first kernel) and the
+        # rotary table: no kernel this one depends on writes it. q, k, v come from the previous one.
+        pdl_wait(USE_PDL)
     q_row = q_ptr + token * stride_qt + head[:, None] * stride_qh
     q_ok = g_ok[:, None] & d_ok[None, :]
     q = _rotate_half(q_row + d[None, :], q_row + partner[None, :], q_ok, cos[None, :], sin[None, :], lo[None, :])
     q = _dot_queries(q.to(q_ptr.dtype.element_ty), DOT_FP32, KV_F16)
 
     if kv_end == seq_len:  # this program's keys end with the new token: write it to its slot first
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             k_row = k_ptr + token * stride_knt + kv_head * stride_knh
             k_new = _rotate_half(k_row + d, k_row + partner, d_ok, cos, sin, lo)
@@ -532,9 +554,9 @@ def _rotary_decode_kernel(
         # in the engine: BENCHMARKS.md, thirteenth session.)
         tl.debug_barrier()
     acc, m_i, l_i = _attend_keys(
-        q, scale_log2, k_cache_ptr, v_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bt, kv_head, kv_start,
-        kv_end, d, d_ok, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False,
+        q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, d, d_ok,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False, blk_first, True,
     )  # fmt: skip
     out = acc / l_i[:, None]
     if not SPLIT:
@@ -934,6 +956,7 @@ def rotary_decode_attention_triton(
         SATURATE=_saturate(k_cache),
         # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers.
         MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), cfg["fused_merge_rows"] // group_pad)),
+        EARLY_METADATA=bool(cfg["fused_early_metadata"]),
         USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["fused_num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

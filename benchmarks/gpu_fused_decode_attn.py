@@ -12,13 +12,13 @@ smallest of 2,048, 8,192, 32,768 keys that holds it). ``VARIANTS`` are timed as 
 layer in one CUDA graph of all layers, alternated ``--rounds`` times:
 
 - ``unfused``: ``KVPILOT_FUSED_DECODE_ATTN=0`` (rotary + KV write, split decode, split merge);
-- ``fused``: today's launch (``kernels.attention.TUNING["decode"]``);
-- ``fused early``: the step's metadata loaded before the PDL wait (``fused_early_metadata``);
-- ``fused w2``: 2 warps per program (``fused_num_warps``), also with ``early`` and with 32 (head,
-  split) rows of partials merged per round trip (``fused_merge_rows``);
-- ``fused max32 merge128``: at most 32 context splits, 128 rows merged per round trip.
-(The fourth call of the thirteenth session also timed 8 warps, at least 128 keys per split, at most
-16 or 32 splits and 128 merged rows alone: BENCHMARKS.md.)
+- ``fused``: today's launch (``kernels.attention.TUNING["decode"]``: 4 warps per program up to a
+  bound of ``fused_long_keys``, 2 above);
+- ``fused w4`` / ``fused w2``: 4 or 2 warps at every bound;
+- ``fused max32 merge128``: at most 32 context splits, 128 (head, split) rows of partials merged per
+  round trip instead of 64.
+(Calls 4 and 5 of the thirteenth session also timed 8 warps, at least 128 keys per split, at most 16
+splits, and the metadata loads after the PDL wait: BENCHMARKS.md.)
 
 Each variant's output after one layer must be within 2e-2 of ``unfused``'s and its last layer's
 KV cache must equal ``unfused``'s bit for bit (same new key and value written); exits 1 otherwise.
@@ -43,10 +43,8 @@ from kvpilot.kernels import attention as A  # noqa: E402
 VARIANTS = {  # name -> (KVPILOT_FUSED_DECODE_ATTN, TUNING["decode"] overrides)
     "unfused": ("0", {}),
     "fused": ("1", {}),
-    "fused early": ("1", {"fused_early_metadata": True}),
+    "fused w4": ("1", {"fused_num_warps_long": 4}),
     "fused w2": ("1", {"fused_num_warps": 2}),
-    "fused early w2": ("1", {"fused_early_metadata": True, "fused_num_warps": 2}),
-    "fused w2 merge32": ("1", {"fused_num_warps": 2, "fused_merge_rows": 32}),
     "fused max32 merge128": ("1", {"fused_max_splits": 32, "fused_merge_rows": 128}),
 }
 BUCKETS = (2048, 8192, 32768)

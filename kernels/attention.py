@@ -83,12 +83,14 @@ TUNING = {
         # Launch of `rotary_decode_attention_triton` (tests/benchmarks may override them): warps,
         # most context splits (its last split merges them all, `fused_merge_rows` (heads x splits)
         # at a time, one L2 round trip each).
+        # Warps: 4 up to `fused_long_keys` keys (the launch's bound), 2 above (H200, batch 1, FP8
+        # cache: 0.3-0.6 us per layer more at 512 keys with 2; 3.9 and 8.5 us less at 4,096 and
+        # 16,384 keys).
         "fused_num_warps": 4,
+        "fused_num_warps_long": 2,
+        "fused_long_keys": 2048,
         "fused_max_splits": 64,
         "fused_merge_rows": 64,
-        # With PDL, load the step's metadata (query ranges, lengths, positions, slots, the first
-        # tile's block ids) and the rotary table before waiting for the QKV projection.
-        "fused_early_metadata": False,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -486,7 +488,7 @@ def _rotary_decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, SATURATE: tl.constexpr,
-    MERGE_CHUNK: tl.constexpr, EARLY_METADATA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """`_rotary_write_kv_kernel` + `_decode_kernel` + `_reduce_kernel` in one launch (decode-only
     batches). Program (sequence, kv head, split) rotates its group's queries in registers; the
@@ -496,10 +498,11 @@ def _rotary_decode_kernel(
     splits, each program stores its partial output and log-sum-exp, then counts itself done on the
     (sequence, kv head)'s counter; the last one to finish merges the partials and resets the
     counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction)."""
-    if EARLY_METADATA:
-        pdl_trigger(USE_PDL)  # the wait comes after the metadata loads below
-    else:
-        pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    # With PDL (kernels/pdl.py) this kernel waits for the QKV projection only after loading the
+    # step's metadata and the rotary table below: no kernel of the step writes them (the metadata is
+    # copied before its first kernel). On an H200, 0.9-1.0 us less per layer at 512-16,384 keys
+    # (BENCHMARKS.md, thirteenth session). tests/pdl_order_check.py allows these loads (EARLY_LOADS).
+    pdl_trigger(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -528,10 +531,7 @@ def _rotary_decode_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cs, mask=d_ok, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + cs, mask=d_ok, other=0.0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
-    if EARLY_METADATA:
-        # Everything above is the step's metadata (written before the step's first kernel) and the
-        # rotary table: no kernel this one depends on writes it. q, k, v come from the previous one.
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)  # q, k, v: the QKV projection's output
     q_row = q_ptr + token * stride_qt + head[:, None] * stride_qh
     q_ok = g_ok[:, None] & d_ok[None, :]
     q = _rotate_half(q_row + d[None, :], q_row + partner[None, :], q_ok, cos[None, :], sin[None, :], lo[None, :])
@@ -956,8 +956,8 @@ def rotary_decode_attention_triton(
         SATURATE=_saturate(k_cache),
         # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers.
         MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), cfg["fused_merge_rows"] // group_pad)),
-        EARLY_METADATA=bool(cfg["fused_early_metadata"]),
         USE_PDL=pdl > 0, **launch_options(pdl),
-        num_warps=cfg["fused_num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["fused_num_warps" if max_seq_len <= cfg["fused_long_keys"] else "fused_num_warps_long"],
+        num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

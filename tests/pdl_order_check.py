@@ -62,6 +62,12 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 # ---- PTX ----------------------------------------------------------------------------------------
 _PTX_MEM = re.compile(r"^(ld|ldu|st|atom|red|cp|prefetch|prefetchu|multimem|tensormap|cvta|discard|applypriority)\b")
 _PTX_OK_SPACES = (".param", ".const", ".shared", ".local")
+# Kernels that may LOAD (never store, atomically update or copy asynchronously) global memory, and
+# branch, before their wait: they read only what no kernel of the step writes (the step's metadata,
+# copied before its first kernel, and constant tables). kernels/attention.py, fused_early_metadata.
+EARLY_LOADS = {"_rotary_decode_kernel"}
+_PTX_LOADS = re.compile(r"^(ld|ldu)(\.global)?(\.nc)?(\.v\d)?\.[busf]\d+$")
+_SASS_LOADS = {"LDG", "LD"}
 
 
 def _ptx_instructions(ptx: str, entry: str) -> list[str]:
@@ -79,9 +85,10 @@ def _ptx_instructions(ptx: str, entry: str) -> list[str]:
     return out
 
 
-def ptx_problems(ptx: str, entry: str) -> list[str]:
+def ptx_problems(ptx: str, entry: str, loads_ok: bool = False) -> list[str]:
     """Why this kernel's PTX may touch memory before its first ``griddepcontrol.wait`` ([] if it
-    cannot)."""
+    cannot). ``loads_ok`` (`EARLY_LOADS` kernels): plain global or generic loads and control flow are
+    allowed there, every other memory access is not."""
     ins = _ptx_instructions(ptx, entry)
     waits = [i for i, s in enumerate(ins) if s.startswith("griddepcontrol.wait")]
     problems = []
@@ -91,6 +98,8 @@ def ptx_problems(ptx: str, entry: str) -> list[str]:
         return problems + ["no griddepcontrol.wait"]
     for s in ins[:waits[0]]:
         op = s.split()[0]
+        if loads_ok and (_PTX_LOADS.match(op) or op.startswith(("bra", "ret", "exit"))):
+            continue
         if op.startswith(("bra", "brx", "call", "ret", "exit", "trap")):
             problems.append(f"control flow before the wait: {s!r}")
         # (an address conversion from those spaces, e.g. ``cvta.param`` of a TMA descriptor that
@@ -113,9 +122,9 @@ def _nvdisasm() -> str | None:
     return hits[0] if hits and os.access(hits[0], os.X_OK) else None
 
 
-def sass_problems(cubin: bytes, nvdisasm: str) -> list[str]:
+def sass_problems(cubin: bytes, nvdisasm: str, loads_ok: bool = False) -> list[str]:
     """Why this cubin's SASS may touch global memory before its first ``ACQBULK`` (the machine form
-    of ``griddepcontrol.wait`` on sm_90) ([] if it cannot)."""
+    of ``griddepcontrol.wait`` on sm_90) ([] if it cannot); ``loads_ok`` as for `ptx_problems`."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -129,8 +138,9 @@ def sass_problems(cubin: bytes, nvdisasm: str) -> list[str]:
     first_wait = next((i for i, s in enumerate(ops) if s.split()[0] == "ACQBULK"), None)
     if first_wait is None:
         return ["no ACQBULK (griddepcontrol.wait) in the SASS"]
+    forbidden = _SASS_GLOBAL - _SASS_LOADS if loads_ok else _SASS_GLOBAL
     return [f"SASS memory access before ACQBULK: {s!r}" for s in ops[:first_wait]
-            if s.split()[0].split(".")[0] in _SASS_GLOBAL]
+            if s.split()[0].split(".")[0] in forbidden]
 
 
 # ---- self-test: the checker finds what it should -----------------------------------------------
@@ -278,7 +288,8 @@ def check(launches: list[Launch], pdl_kernels: set[str], nvdisasm: str | None) -
 
         todo = {id(ln.compiled): ln.compiled for ln in launches if ln.launch_pdl and ln.compiled is not None}
         with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-            found = pool.map(lambda c: sass_problems(c.asm["cubin"], nvdisasm), todo.values())
+            found = pool.map(lambda c: sass_problems(c.asm["cubin"], nvdisasm, c.metadata.name in EARLY_LOADS),
+                             todo.values())
             sass = dict(zip(todo, found))
     for ln in launches:
         where = f"{ln.kernel} ({ln.case})"
@@ -299,7 +310,7 @@ def check(launches: list[Launch], pdl_kernels: set[str], nvdisasm: str | None) -
                 problems.append(f"{where}: griddepcontrol in a kernel launched without PDL")
             continue
         pdl_compiled.add(ln.kernel)
-        found = [f"{where}: {p}" for p in ptx_problems(ptx, entry)]
+        found = [f"{where}: {p}" for p in ptx_problems(ptx, entry, entry in EARLY_LOADS)]
         found += [f"{where}: {p}" for p in sass.get(id(ln.compiled), [])]
         problems += found
         ce = " ".join(f"{k}={v}" for k, v in ln.constexprs.items() if k in ("PROLOGUE", "USE_DOT", "BLOCK_M", "SPLIT",
@@ -339,10 +350,11 @@ def scan_cache(cache_dir: str) -> int:
         if meta.exists():
             entry = json.loads(meta.read_text()).get("name", entry)
         n += 1
-        found = [p for p in ptx_problems(ptx, entry) if "launch_dependents" not in p]
+        early = ptx_path.stem in EARLY_LOADS
+        found = [p for p in ptx_problems(ptx, entry, early) if "launch_dependents" not in p]
         cubin = ptx_path.with_suffix(".cubin")
         if nvdisasm is not None and cubin.exists():
-            found += sass_problems(cubin.read_bytes(), nvdisasm)
+            found += sass_problems(cubin.read_bytes(), nvdisasm, early)
         problems += [f"{ptx_path.parent.name}/{ptx_path.name}: {p}" for p in found]
     print(f"triton {triton.__version__}: {n} PDL specializations in {cache_dir}; "
           f"SASS check: {'on' if nvdisasm else 'off'}")

@@ -255,7 +255,7 @@ def _ptx_problems():
     """``ptx_problems`` of tests/pdl_order_check.py without importing it (the import removes
     TRITON_INTERPRET from this process's environment and installs compile-only machinery)."""
     src = (TESTS / "pdl_order_check.py").read_text()
-    wanted = {"_PTX_MEM", "_PTX_OK_SPACES", "_ptx_instructions", "ptx_problems"}
+    wanted = {"_PTX_MEM", "_PTX_OK_SPACES", "_PTX_LOADS", "_ptx_instructions", "ptx_problems"}
     body = [n for n in ast.parse(src).body
             if (isinstance(n, ast.FunctionDef) and n.name in wanted)
             or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in wanted for t in n.targets))]
@@ -299,18 +299,35 @@ def _pdl_kernel_names() -> set[str]:
     return names
 
 
+def test_pdl_checker_early_loads_allow_plain_loads_and_branches_only():
+    """``EARLY_LOADS`` kernels (the fused decode attention, thirteenth session) may load the step's
+    metadata and branch before the wait; stores, atomics and asynchronous copies stay forbidden."""
+    problems = _ptx_problems()
+    ok = ("ld.global.b32 %r1, [%rd2];", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];", "ld.u64 %rd24, [%rd22];",
+          "ld.global.nc.b32 %r1, [%rd2];", "bra $L__BB0_2;", "ret;")
+    assert problems(_ptx(*ok), "k", True) == []
+    assert len(problems(_ptx(*ok), "k")) == len(ok)  # all refused without the exemption
+    for ins in ("st.global.b32 [%rd2], %r1;", "atom.global.gpu.acq_rel.add.u32 %r1, [%rd2], 1;",
+                "red.global.add.u32 [%rd2], 1;", "cp.async.cg.shared.global [%r1], [%rd2], 16;",
+                "prefetch.global.L2 [%rd2];"):
+        found = problems(_ptx(ins), "k", True)
+        assert len(found) == 1 and "memory access" in found[0], (ins, found)
+
+
 def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
     """``pdl_order_check.py --scan-cache`` (the check of what the GPU's own Triton compiled) listed
     its kernels by hand and skipped ``_gemv_tma_kernel`` (and ``_two_rank_all_reduce_kernel``): a
-    cache holding each PDL kernel with a global load before its wait must yield one problem each."""
+    cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel, which may
+    load there) before its wait must yield one problem each."""
     names = _pdl_kernel_names()
     assert {"_gemv_kernel", "_gemv_tma_kernel", "_two_rank_all_reduce_kernel"} <= names
     cache = tmp_path / "cache"
     for i, name in enumerate(sorted(names)):
         (cache / f"h{i}").mkdir(parents=True)
+        access = "st.global.b32 [%rd1], %r1;" if name == "_rotary_decode_kernel" else "ld.global.b32 %r1, [%rd1];"
         (cache / f"h{i}" / f"{name}.ptx").write_text(
             f".visible .entry {name}(\n.param .u64 p0\n)\n{{\n\tld.param.u64 %rd1, [p0];\n"
-            f"\tld.global.b32 %r1, [%rd1];\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n"
+            f"\t{access}\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n"
             f"\tret;\n}}\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(TESTS / "pdl_order_check.py"), "--scan-cache", str(cache)],

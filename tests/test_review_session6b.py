@@ -109,6 +109,9 @@ def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return out
 
 
+# (tests/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
+# compile-only runs.)
+_EARLY_LOADS = {"_rotary_decode_kernel"}
 _MEMORY_CALLS = ("tl.load", "tl.store", "tl.atomic", "tl.make_block_ptr", "tl.make_tensor_descriptor", "_load")
 
 
@@ -148,7 +151,11 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
                     "pdl_trigger(" in ast.unparse(h) for h in helpers), f"{fname}: {name} waits but never triggers"
             before = "\n".join(ast.unparse(st) for st in fn.body[:calls[0]])
             called = {ast.unparse(n.func) for n in ast.walk(ast.parse(before or "pass")) if isinstance(n, ast.Call)}
-            assert not [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits], (fname, name, called)
+            if name in _EARLY_LOADS:  # loads of what no kernel of the step writes (pdl_order_check.EARLY_LOADS)
+                bad = [c for c in called if c.startswith(_MEMORY_CALLS[1:]) or (c in jits and c != "_split_size")]
+            else:
+                bad = [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits]
+            assert not bad, (fname, name, bad)
             assert name in launches, f"{fname}: {name} takes USE_PDL but is never launched with launch_options"
     assert sorted(set(launches)) == ["_decode_kernel", "_gemv_kernel", "_gemv_tma_kernel", "_reduce_kernel",
                                      "_rms_norm_kernel", "_rotary_decode_kernel", "_rotary_write_kv_kernel",

@@ -241,7 +241,13 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences while `fused_decode_attention_enabled`,
     else `rotary_write_kv_cache` then `paged_attention`; elsewhere `rotary_decode_attention_ref`.
     Callers must use the returned output only (``q`` may or may not be rotated in place).
-    ``launch_kv_heads`` as for `paged_attention`.
+    ``launch_kv_heads`` as for `paged_attention`. The one-launch kernel writes K/V only for tokens in
+    a sequence's one-token query range (the engine's padding has slot -1, so the paths agree there).
+
+    Raises:
+        ValueError: bad shapes or arguments (from the kernel's checks; no switch of path). Any other
+            error of the one-launch kernel (e.g. a Triton that cannot compile it), except running out
+            of GPU memory, switches this process to the unfused launches for good, with a warning.
     """
     if not _use_triton(q):
         return rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -254,7 +260,7 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
             return rotary_decode_attention_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   block_tables, seq_lens, query_start_loc, scale, max_seq_len,
                                                   launch_kv_heads=launch_kv_heads)
-        except ValueError:
+        except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception:  # noqa: BLE001 - e.g. a Triton version that cannot compile it
             # As for the fused rotary kernel: the switch happens in an eager step, before capture.

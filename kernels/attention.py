@@ -1,6 +1,6 @@
 """Triton paged attention for mixed prefill-chunk / decode batches.
 
-Two kernels (docs/kernels.md has the details):
+The kernels (docs/kernels.md has the details):
 
 - ``_prefill_kernel``: one program per (work tile, kv head). Sequence ``i`` has
   ``cdiv(q_len_i, BLOCK_Q)`` query tiles; the tiles of all sequences form one flat list, and each
@@ -18,6 +18,9 @@ Two kernels (docs/kernels.md has the details):
   per (sequence, kv head, context split); the whole GQA group is one tile. With more than one split
   (flash-decoding, for long contexts and few sequences) each program writes a normalised partial
   output and its log-sum-exp, and the reduction kernel merges them.
+- ``_rotary_decode_kernel``: the decode kernel with the rotary embedding, the new token's KV-cache write
+  and the split merge folded in (one launch instead of three), for decode-only batches of at most
+  ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences (`rotary_decode_attention_triton`).
 
 All accumulation is fp32; softmax uses ``exp2`` with the scale folded into ``log2(e)``.
 """
@@ -512,6 +515,10 @@ def _rotary_decode_kernel(
     partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
     kv_start = split * partition_size
     if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
+        # Idle. Split 0 waits first, so the grid never completes before the kernel it depends on
+        # (kernels/pdl.py's rule; the later splits may skip the wait, split 0 of the grid holds it).
+        if split == 0:
+            pdl_wait(USE_PDL)
         return
     kv_end = tl.minimum(seq_len, kv_start + partition_size)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -845,13 +852,21 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """A zeroed int32 buffer of at least ``n`` (sequence, kv head) counters on ``device`` for
     `_rotary_decode_kernel`'s split fix-up. Every launch leaves it zeroed again, so one buffer per
     device serves every layer and every replay of a captured graph; launches on one device must not
-    run concurrently on two streams. Grown (never shrunk or freed) past 4,096 counters."""
+    run concurrently on two streams. Grown (never shrunk or freed) past 4,096 counters; a buffer
+    needed during CUDA-graph capture that the device's does not cover is private to that graph."""
     key = (device.type, device.index)
     buf = _SPLIT_COUNTERS.get(key)
     if buf is None or buf.numel() < n:
+        size = max(4096, triton.next_power_of_2(n))
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Under capture torch.zeros only records a memset: the buffer is zero at each replay of
+            # this graph, not now. It stays this graph's (kept alive with it), not the device's.
+            buf = torch.zeros(size, dtype=torch.int32, device=device)
+            _RETIRED_COUNTERS.append(buf)
+            return buf
         if buf is not None:
             _RETIRED_COUNTERS.append(buf)
-        buf = torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+        buf = torch.zeros(size, dtype=torch.int32, device=device)
         _SPLIT_COUNTERS[key] = buf
     return buf
 
@@ -882,7 +897,9 @@ def rotary_decode_attention_triton(
     one kernel instead of three (rotary + write, split decode, split merge): at batch 1 each launch
     cost the layer's dependent chain a few microseconds on an H200. The merge of context splits is
     done by the split that finishes last (a per-(sequence, kv head) counter, `_split_counters`); its
-    result can differ from `_reduce_kernel`'s in the last bit of fp32 (another summation order).
+    result can differ from `_reduce_kernel`'s in the last bit of fp32 (another summation order), and
+    without splits from `_decode_kernel`'s lazy rescale (``TUNING["decode"]["lazy_rescale"]``) in the
+    last bf16 bit of a few outputs on the GPU: this kernel always rescales eagerly.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` bf16/fp16/fp32 queries before rotary; NOT modified

@@ -64,7 +64,7 @@ _PTX_MEM = re.compile(r"^(ld|ldu|st|atom|red|cp|prefetch|prefetchu|multimem|tens
 _PTX_OK_SPACES = (".param", ".const", ".shared", ".local")
 # Kernels that may LOAD (never store, atomically update or copy asynchronously) global memory, and
 # branch, before their wait: they read only what no kernel of the step writes (the step's metadata,
-# copied before its first kernel, and constant tables). kernels/attention.py, fused_early_metadata.
+# copied before its first kernel, and constant tables). See the comment at the top of the kernel's body.
 EARLY_LOADS = {"_rotary_decode_kernel"}
 _PTX_LOADS = re.compile(r"^(ld|ldu)(\.global)?(\.nc)?(\.v\d)?\.[busf]\d+$")
 _SASS_LOADS = {"LDG", "LD"}
@@ -416,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in problems:
             print(f"  {p}")
         return 1
-    print("PDL order: ok (no global memory access before griddepcontrol.wait)")
+    print("PDL order: ok (no global memory access before griddepcontrol.wait; EARLY_LOADS kernels: loads only)")
     return 0
 
 

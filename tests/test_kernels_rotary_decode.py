@@ -66,7 +66,8 @@ def _triton():
 CASES = [  # ctx, heads, kv_heads, head_dim, block, dtype, num_splits, pad
     ([100], 8, 2, 32, 16, torch.float32, None, 0),          # split by the heuristic
     ([70, 33, 5], 8, 2, 32, 16, torch.float32, 3, 2),       # forced splits, padded rows
-    ([1000], 8, 2, 32, 16, torch.float32, 20, 0),           # 16 valid splits: two merge chunks
+    ([1000], 8, 2, 32, 16, torch.float32, 20, 0),           # 16 valid splits, one merge chunk of 16
+    ([1000], 16, 2, 32, 16, torch.float32, 20, 0),          # group 8: merged 8 splits at a time, 2 chunks
     ([5, 40, 17], 4, 4, 64, 8, torch.float32, 1, 0),        # MHA, no split
     ([129, 64], 12, 4, 48, 16, torch.float32, 4, 1),        # head_dim 48 (padded to 64), group 3
     ([300, 45], 8, 2, 32, 16, torch.float16, 6, 0),

@@ -111,7 +111,9 @@ def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
 
 # (tests/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
 # compile-only runs.)
-_EARLY_LOADS = {"_rotary_decode_kernel"}
+# The pointers each may load before its wait: the step's metadata and the rotary table.
+_EARLY_LOADS = {"_rotary_decode_kernel": {"qsl_ptr", "seq_lens_ptr", "pos_ptr", "cos_sin_ptr", "slot_ptr",
+                                          "block_tables_ptr", "bt_row"}}
 _MEMORY_CALLS = ("tl.load", "tl.store", "tl.atomic", "tl.make_block_ptr", "tl.make_tensor_descriptor", "_load")
 
 
@@ -153,6 +155,11 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
             called = {ast.unparse(n.func) for n in ast.walk(ast.parse(before or "pass")) if isinstance(n, ast.Call)}
             if name in _EARLY_LOADS:  # loads of what no kernel of the step writes (pdl_order_check.EARLY_LOADS)
                 bad = [c for c in called if c.startswith(_MEMORY_CALLS[1:]) or (c in jits and c != "_split_size")]
+                for node in ast.walk(ast.parse(before or "pass")):
+                    if isinstance(node, ast.Call) and ast.unparse(node.func) == "tl.load":
+                        ptrs = {n.id for n in ast.walk(node.args[0]) if isinstance(n, ast.Name)
+                                and (n.id.endswith("_ptr") or n.id == "bt_row")}
+                        bad += [f"tl.load of {p}" for p in ptrs - _EARLY_LOADS[name]]
             else:
                 bad = [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits]
             assert not bad, (fname, name, bad)

@@ -28,6 +28,7 @@ All accumulation is fp32; softmax uses ``exp2`` with the scale folded into ``log
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -42,6 +43,11 @@ from .pdl import launch_options, pdl_enter, pdl_mode, pdl_trigger, pdl_wait
 from .reference import _check_attention_args, _check_rotary_args, _check_write_args
 
 logger = logging.getLogger(__name__)
+
+try:  # host-side TMA descriptors (Triton >= 3.3), for `_decode_tma_kernel`
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
 
@@ -94,6 +100,15 @@ TUNING = {
         "fused_long_keys": 2048,
         "fused_max_splits": 64,
         "fused_merge_rows": 64,
+        # Full-batch launches (no context splits) through `_decode_tma_kernel`: each page's keys and
+        # values of a kv head come by TMA, ``batch_tma_pages`` pages per loop step, through a
+        # ``batch_tma_stages``-deep shared-memory ring (no address registers). Per cache dtype.
+        "batch_tma": False,
+        "batch_tma_fp8": False,
+        "batch_tma_pages": 2,
+        "batch_tma_warps": 2,
+        "batch_tma_stages": 3,
+        "batch_tma_maxnreg": None,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
                 "programs_per_sm": 4,
@@ -101,6 +116,10 @@ TUNING = {
                 # prefill kernel, instead of a 64-row prefill tile each.
                 "decode_rows_to_decode_kernel": True},
 }
+# Benchmarks A/B launch options in engines of their own: ``KVPILOT_DECODE_TUNING`` (a JSON object)
+# updates ``TUNING["decode"]`` at import, e.g. '{"batch_tma_fp8": true}'.
+if os.environ.get("KVPILOT_DECODE_TUNING"):
+    TUNING["decode"].update(json.loads(os.environ["KVPILOT_DECODE_TUNING"]))
 # Sequences per step of the prefill kernel's tile lookup (it scans query_start_loc in chunks): one
 # step for the default 256-sequence batches, so programs past the last tile exit after one load.
 _SEQ_CHUNK = 256
@@ -429,6 +448,110 @@ def _decode_kernel(
         row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)
+
+
+@triton.jit
+def _tma_tile(
+    q, scale_log2, k_desc, v_desc, bt_row, start, seq_len, col, m_i, l_i, acc,
+    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, MASKED: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step of `_decode_tma_kernel` over ``PAGES`` (1 or 2) cache pages from key
+    ``start`` (a page boundary): each page's keys and values of one kv head come as one TMA box
+    ``[BLOCK_SIZE, HEAD_DIM]`` (rows ``blk * BLOCK_SIZE`` of the cache's 2-D view, columns ``col``).
+    ``MASKED`` (the last tile only): keys past ``seq_len`` get score -inf and their value rows are
+    zeroed, since a box reads whole pages and stale bytes may decode to NaN; a page wholly past the
+    context reads block 0. Returns the updated ``(m_i, l_i, acc)`` as `_attend_keys` keeps them."""
+    page = start // BLOCK_SIZE
+    n_a = start + tl.arange(0, BLOCK_SIZE)
+    blk_a = tl.load(bt_row + page).to(tl.int32)
+    k_a = k_desc.load([blk_a * BLOCK_SIZE, col])
+    k_a = k_a.to(tl.float32) if DOT_FP32 else k_a.to(q.dtype)  # FP8: dot in the queries' dtype
+    s_a = tl.dot(q, tl.trans(k_a), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        s_a = tl.where((n_a < seq_len)[None, :], s_a, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_a, 1))  # finite: the first page has a key
+    if PAGES == 2:
+        n_b = n_a + BLOCK_SIZE
+        if MASKED:
+            blk_b = tl.load(bt_row + page + 1, mask=start + BLOCK_SIZE < seq_len, other=0).to(tl.int32)
+        else:
+            blk_b = tl.load(bt_row + page + 1).to(tl.int32)
+        k_b = k_desc.load([blk_b * BLOCK_SIZE, col])
+        k_b = k_b.to(tl.float32) if DOT_FP32 else k_b.to(q.dtype)
+        s_b = tl.dot(q, tl.trans(k_b), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            s_b = tl.where((n_b < seq_len)[None, :], s_b, float("-inf"))
+        m_new = tl.maximum(m_new, tl.max(s_b, 1))
+    moved = True
+    if LAZY_RESCALE:  # as in `_attend_keys`: rescale only when a row's max moved
+        moved = tl.max(m_new - m_i, 0) > 0
+    if moved:
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p_a = tl.exp2(s_a - m_i[:, None])
+    l_i = l_i + tl.sum(p_a, 1)
+    v_a = v_desc.load([blk_a * BLOCK_SIZE, col])
+    v_a = v_a.to(tl.float32) if DOT_FP32 else v_a.to(q.dtype)
+    if MASKED:
+        v_a = tl.where((n_a < seq_len)[:, None], v_a, 0.0)
+    acc = acc + tl.dot(p_a.to(v_a.dtype), v_a, input_precision=PRECISION)
+    if PAGES == 2:
+        p_b = tl.exp2(s_b - m_i[:, None])
+        l_i = l_i + tl.sum(p_b, 1)
+        v_b = v_desc.load([blk_b * BLOCK_SIZE, col])
+        v_b = v_b.to(tl.float32) if DOT_FP32 else v_b.to(q.dtype)
+        if MASKED:
+            v_b = tl.where((n_b < seq_len)[:, None], v_b, 0.0)
+        acc = acc + tl.dot(p_b.to(v_b.dtype), v_b, input_precision=PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _decode_tma_kernel(
+    q_ptr, k_desc, v_desc, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
+    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    # Decode without context splits, grid (seq, kv head): `_decode_kernel`'s full-batch case with the
+    # K/V pages fetched by TMA (``k_desc``/``v_desc``: 2-D views [blocks * BLOCK_SIZE, kv heads *
+    # HEAD_DIM] of the caches, box [BLOCK_SIZE, HEAD_DIM]), ``PAGES`` pages per loop step. The
+    # pipeliner keeps the boxes in flight in shared memory, so they cost no address registers.
+    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if (q_len != 1) | (seq_len <= 0):  # q_len 0: a padded sequence
+        return
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    token = q_start.to(tl.int64)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    q = _dot_queries(q, DOT_FP32, KV_F16)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    col = kv_head * HEAD_DIM
+    full_end = seq_len // (BLOCK_SIZE * PAGES) * (BLOCK_SIZE * PAGES)
+    for start in range(0, full_end, BLOCK_SIZE * PAGES):
+        m_i, l_i, acc = _tma_tile(q, scale_log2, k_desc, v_desc, bt_row, start, seq_len, col, m_i, l_i, acc,
+                                  BLOCK_SIZE, PAGES, False, PRECISION, DOT_FP32, LAZY_RESCALE)
+    if full_end < seq_len:
+        m_i, l_i, acc = _tma_tile(q, scale_log2, k_desc, v_desc, bt_row, full_end, seq_len, col, m_i, l_i, acc,
+                                  BLOCK_SIZE, PAGES, True, PRECISION, DOT_FP32, LAZY_RESCALE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -815,8 +938,12 @@ def paged_attention_triton(
         part_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
     pdl = pdl_mode(q.device, num_seqs)
+    if splits == 1 and full and _tma_decode_reason(q, k_cache, v_cache, kv_f16) == "":
+        _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
+                           precision, dot_fp32, kv_f16, pdl)
+        return out
+    maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
         scale_log2, splits, *common_strides,
@@ -842,6 +969,53 @@ def paged_attention_triton(
             USE_PDL=pdl > 0, **launch_options(pdl),
         )  # fmt: skip
     return out
+
+
+def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_f16: bool) -> str:
+    """Why a full-batch decode launch cannot take `_decode_tma_kernel` ("" when it can): it must be
+    switched on for the cache's dtype (``TUNING["decode"]["batch_tma_fp8"]`` / ``["batch_tma"]``),
+    this Triton must have host-side TMA descriptors, and each cache must be contiguous with a
+    power-of-two page of >= 16 tokens, a power-of-two head_dim and rows of a multiple of 16 bytes."""
+    cfg = TUNING["decode"]
+    if not cfg.get("batch_tma_fp8" if kv_f16 else "batch_tma"):
+        return "switched off"
+    if TensorDescriptor is None:
+        return "this Triton has no host-side TMA descriptors"
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    _, block_size, heads, head_dim = k_cache.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return "a cache is not contiguous"
+    if block_size < 16 or block_size & (block_size - 1) or head_dim & (head_dim - 1):
+        return "page size and head_dim must be powers of two, the page at least 16 tokens"
+    if head_dim * k_cache.element_size() % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
+        return "TMA needs 16-byte rows and bases"
+    return ""
+
+
+def _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, precision,
+                       dot_fp32, kv_f16, pdl) -> None:
+    """Launch `_decode_tma_kernel` (one program per (sequence, kv head), no context splits) with the
+    ``batch_tma_*`` launch options of ``TUNING["decode"]``."""
+    cfg = TUNING["decode"]
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    nb, block_size, num_kv_heads, _ = k_cache.shape
+    pages = cfg["batch_tma_pages"]
+    # A descriptor per launch (inside a CUDA graph only at capture), as the GEMV's TMA kind does.
+    descs = [TensorDescriptor.from_tensor(c.view(nb * block_size, num_kv_heads * head_dim),
+                                          block_shape=[block_size, head_dim]) for c in (k_cache, v_cache)]
+    maxnreg = cfg.get("batch_tma_maxnreg")
+    group = num_heads // num_kv_heads
+    _decode_tma_kernel[(num_seqs, num_kv_heads)](
+        q, descs[0], descs[1], out, block_tables, seq_lens, query_start_loc, scale_log2,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        GROUP=group, BLOCK_G=_pow2_at_least(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
+        PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16, LAZY_RESCALE=bool(cfg.get("lazy_rescale")),
+        USE_PDL=pdl > 0, **launch_options(pdl),
+        num_warps=cfg["batch_tma_warps"], num_stages=cfg["batch_tma_stages"],
+        **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
+    )  # fmt: skip
 
 
 _SPLIT_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

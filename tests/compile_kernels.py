@@ -585,6 +585,22 @@ def _with_pdl(mode: int, case: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def _with_decode_tuning(case: Callable[[], None], **overrides) -> Callable[[], None]:
+    """``case`` with ``kernels.attention.TUNING["decode"]`` updated by ``overrides`` (restored after)."""
+    def run():
+        from kvpilot.kernels import attention
+
+        saved = dict(attention.TUNING["decode"])
+        attention.TUNING["decode"].update(overrides)
+        try:
+            case()
+        finally:
+            attention.TUNING["decode"].clear()
+            attention.TUNING["decode"].update(saved)
+
+    return run
+
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     """(label, function) of every case, in compile order."""
     out = []
@@ -594,6 +610,10 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         # 64 sequences are 512 programs -> no split.
         out.append((f"attention decode {dn} kv, split", _attention(one, [1], [3999], dt)))
         out.append((f"attention decode {dn} kv, no split", _attention(one, [1] * 64, [1000] * 64, dt)))
+        for pages in (1, 2):  # the TMA full-batch kernel (`_decode_tma_kernel`), both loop steps
+            out.append((f"attention decode {dn} kv, no split, TMA {pages} page(s)",
+                        _with_decode_tuning(_attention(one, [1] * 64, [1000] * 64, dt), batch_tma=True,
+                                            batch_tma_fp8=True, batch_tma_pages=pages)))
         # Prefill: a 64-token chunk after a 4,000-token prefix -> splits; 4 x 512 new tokens plus
         # 3 decodes (a mixed batch) -> no split.
         out.append((f"attention prefill {dn} kv, split", _attention(one, [64], [4000], dt)))

@@ -1,7 +1,7 @@
 """One large-batch decode attention case on synthetic paged caches, for Nsight Compute.
 
 Builds a KV cache of Llama-3.1-8B's per-layer shape (8 kv heads x 128 dims, 32 query heads,
-16-token blocks, blocks scattered at random) in ``--kv-dtype`` (bf16 or fp8), ``--batch`` decodes of
+``--block-size``-token blocks (16), scattered at random) in ``--kv-dtype`` (bf16 or fp8), ``--batch`` decodes of
 ``--context`` keys each, checks the Triton kernel against the PyTorch reference once, then calls it
 ``--calls`` times. Meant to run under ``ncu`` to see what limits the decode kernel:
 
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=1280)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache page (the engine's default: 32)")
     args = ap.parse_args()
 
     from kvpilot.kernels import attention
@@ -33,7 +34,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: TRITON_INTERPRET=1 dry run
-    H, KVH, D, BS = 32, 8, 128, 16
+    H, KVH, D, BS = 32, 8, 128, args.block_size
     per_seq = -(-args.context // BS)
     num_blocks = args.batch * per_seq + 16
     dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16

@@ -7,7 +7,7 @@ runs 20 launches in a CUDA graph (`triton.testing.do_bench` median), is checked 
 pointer kernel's output (max abs difference), and is reported as % of the device copy rate
 measured here (bytes of K and V read / time).
 
-    python3 benchmarks/gpu_decode_tma.py [--batches 492 256] [--context 1200] [--kv-dtypes fp8 auto]
+    python3 benchmarks/gpu_decode_tma.py [--batches 492 256] [--contexts 1200] [--kv-dtypes fp8 auto]
 """
 
 from __future__ import annotations
@@ -52,19 +52,22 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[492, 256])
-    ap.add_argument("--context", type=int, default=1200)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1200])
     ap.add_argument("--kv-dtypes", nargs="+", default=["fp8", "auto"])
     ap.add_argument("--pages", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0, 128])
+    ap.add_argument("--no-grid", action="store_true", help="only the pointer kernel and --variants")
+    ap.add_argument("--variants", default="[]",
+                    help='more variants: a JSON list of TUNING["decode"] overrides, e.g. [{"batch_num_warps": 1}]')
     a = ap.parse_args()
     bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy {bw / 1e12:.3f} TB/s, triton {triton.__version__}")
     base = dict(attention.TUNING["decode"])
-    for dt_name, b in itertools.product(a.kv_dtypes, a.batches):
+    for dt_name, ctx, b in itertools.product(a.kv_dtypes, a.contexts, a.batches):
         dt = torch.float8_e4m3fn if dt_name == "fp8" else torch.bfloat16
-        q, k, v, bt, sl, qsl, mx, kv_bytes = case(b, a.context, dt)
+        q, k, v, bt, sl, qsl, mx, kv_bytes = case(b, ctx, dt)
         scale = 128 ** -0.5
 
         def run():
@@ -74,8 +77,9 @@ def main() -> None:
             (f"TMA {p} page(s), {w} warps, {s} stages, maxnreg {r or '-'}",
              dict(batch_tma=True, batch_tma_fp8=True, batch_tma_pages=p, batch_tma_warps=w, batch_tma_stages=s,
                   batch_tma_maxnreg=r or None))
-            for p, w, s, r in itertools.product(a.pages, a.warps, a.stages, a.maxnreg)]
-        print(f"\n| {dt_name} KV, batch {b} x ~{a.context} keys: variant | us | % of copy rate | max diff |")
+            for p, w, s, r in itertools.product(a.pages, a.warps, a.stages, a.maxnreg) if not a.no_grid]
+        variants += [(json.dumps(v), v) for v in json.loads(a.variants)]
+        print(f"\n| {dt_name} KV, batch {b} x ~{ctx} keys: variant | us | % of copy rate | max diff |")
         print("|---|---:|---:|---:|")
         ref = None
         best = None
@@ -104,7 +108,7 @@ def main() -> None:
             elif best is None or us < best[0]:
                 best = (us, name, over)
         print(f"best: {best[1]} ({best[0]:.1f} us)", flush=True)
-        print("BEST_JSON", dt_name, b, json.dumps(best[2]), flush=True)
+        print("BEST_JSON", dt_name, ctx, b, json.dumps(best[2]), flush=True)
 
 
 if __name__ == "__main__":

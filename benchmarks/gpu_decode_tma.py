@@ -73,7 +73,7 @@ def main() -> None:
         def run():
             return attention.paged_attention_triton(q, k, v, bt, sl, qsl, scale, 1, mx)
 
-        variants = [("pointer kernel (current)", {})] + [
+        variants = [("pointer kernel (`_decode_kernel`)", dict(batch_tma=False, batch_tma_fp8=False))] + [
             (f"TMA {p} page(s), {w} warps, {s} stages, maxnreg {r or '-'}",
              dict(batch_tma=True, batch_tma_fp8=True, batch_tma_pages=p, batch_tma_warps=w, batch_tma_stages=s,
                   batch_tma_maxnreg=r or None))

@@ -102,12 +102,17 @@ TUNING = {
         "fused_merge_rows": 64,
         # Full-batch launches (no context splits) through `_decode_tma_kernel`: each page's keys and
         # values of a kv head come by TMA, ``batch_tma_pages`` pages per loop step, through a
-        # ``batch_tma_stages``-deep shared-memory ring (no address registers). Per cache dtype.
+        # shared-memory ring that Triton's pipeliner sizes from ``batch_tma_stages``, so they cost no
+        # address registers; per cache dtype. One warp per program keeps the row max, the row sum and
+        # the probabilities in registers (no barrier per page). H200, FP8 cache, one layer, batch x
+        # ~1,200 keys: 91 / 197 / 278 / 327 us at batch 128 / 256 / 384 / 492 against 142 / 227 / 315
+        # / 421 us with `_decode_kernel` (80-86% of the copy rate against 52-70%; BENCHMARKS.md,
+        # fourteenth session); 2 or 4 warps were slower than the pointer kernel at batch 492.
         "batch_tma": False,
-        "batch_tma_fp8": False,
-        "batch_tma_pages": 2,
-        "batch_tma_warps": 2,
-        "batch_tma_stages": 3,
+        "batch_tma_fp8": True,
+        "batch_tma_pages": 1,
+        "batch_tma_warps": 1,
+        "batch_tma_stages": 5,
         "batch_tma_maxnreg": None,
     },
     "prefill": {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2, "max_splits": 16,
@@ -516,13 +521,12 @@ def _decode_tma_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, PAGES: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # Decode without context splits, grid (seq, kv head): `_decode_kernel`'s full-batch case with the
     # K/V pages fetched by TMA (``k_desc``/``v_desc``: 2-D views [blocks * BLOCK_SIZE, kv heads *
     # HEAD_DIM] of the caches, box [BLOCK_SIZE, HEAD_DIM]), ``PAGES`` pages per loop step. The
-    # pipeliner keeps the boxes in flight in shared memory, so they cost no address registers.
-    pdl_enter(USE_PDL)  # kernels/pdl.py: before any memory access
+    # pipeliner keeps the boxes in flight in shared memory, so they cost no address registers. No PDL:
+    # a full batch has more sequences than kernels/pdl.py's PDL_MAX_ROWS.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q_start = tl.load(qsl_ptr + seq)
@@ -941,7 +945,7 @@ def paged_attention_triton(
     pdl = pdl_mode(q.device, num_seqs)
     if splits == 1 and full and _tma_decode_reason(q, k_cache, v_cache, kv_f16) == "":
         _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2,
-                           precision, dot_fp32, kv_f16, pdl)
+                           precision, dot_fp32, kv_f16)
         return out
     maxnreg = cfg.get("batch_maxnreg_fp8" if kv_f16 else "batch_maxnreg")
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
@@ -994,7 +998,7 @@ def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, precision,
-                       dot_fp32, kv_f16, pdl) -> None:
+                       dot_fp32, kv_f16) -> None:
     """Launch `_decode_tma_kernel` (one program per (sequence, kv head), no context splits) with the
     ``batch_tma_*`` launch options of ``TUNING["decode"]``."""
     cfg = TUNING["decode"]
@@ -1012,7 +1016,6 @@ def _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_s
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         GROUP=group, BLOCK_G=_pow2_at_least(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, PAGES=pages,
         PRECISION=precision, DOT_FP32=dot_fp32, KV_F16=kv_f16, LAZY_RESCALE=bool(cfg.get("lazy_rescale")),
-        USE_PDL=pdl > 0, **launch_options(pdl),
         num_warps=cfg["batch_tma_warps"], num_stages=cfg["batch_tma_stages"],
         **({"maxnreg": maxnreg} if maxnreg and os.environ.get("TRITON_INTERPRET") != "1" else {}),
     )  # fmt: skip

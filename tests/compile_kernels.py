@@ -610,7 +610,12 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         # 64 sequences are 512 programs -> no split.
         out.append((f"attention decode {dn} kv, split", _attention(one, [1], [3999], dt)))
         out.append((f"attention decode {dn} kv, no split", _attention(one, [1] * 64, [1000] * 64, dt)))
-        for pages in (1, 2):  # the TMA full-batch kernel (`_decode_tma_kernel`), both loop steps
+        # The full-batch launch takes `_decode_tma_kernel` where TUNING switches it on for the dtype
+        # (FP8 by default); the pointer kernel stays the fallback. Both TMA loop steps.
+        out.append((f"attention decode {dn} kv, no split, pointer kernel",
+                    _with_decode_tuning(_attention(one, [1] * 64, [1000] * 64, dt), batch_tma=False,
+                                        batch_tma_fp8=False)))
+        for pages in (1, 2):
             out.append((f"attention decode {dn} kv, no split, TMA {pages} page(s)",
                         _with_decode_tuning(_attention(one, [1] * 64, [1000] * 64, dt), batch_tma=True,
                                             batch_tma_fp8=True, batch_tma_pages=pages)))

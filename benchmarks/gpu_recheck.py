@@ -9,6 +9,8 @@ workloads the engine's own code affects (the transformers baselines are in `gpu_
 - ``context``: batch-1 ITL at prompt lengths 128 .. 32k (64 generated tokens each);
 - ``throughput``: N x (1,000 in + 1,000 out), with where the time went: the engine's iteration
   stats split into decode-only steps and steps that carry prefill tokens;
+- ``batch64``: 64 prompts of 512 tokens, 256 generated each, all at once (the workload of the
+  transformers batch-64 baseline in `gpu_bench.py`);
 - ``--kv-dtype fp8`` repeats ``throughput`` with an FP8 KV cache (``KvCacheConfig(dtype="fp8")``).
 
     python3 benchmarks/gpu_recheck.py --num-prompts 1000 --out $OUT [--sections latency,context,throughput]
@@ -137,6 +139,16 @@ def main() -> None:
                   f"{d.get('steps')} x {d.get('mean_ms', 0):.2f} ms (batch {d.get('mean_generation_requests', 0):.0f}), "
                   f"with prefill {m.get('steps')} x {m.get('mean_ms', 0):.2f} ms ({m.get('mean_tokens', 0):.0f} tokens)",
                   flush=True)
+            save()
+        if "batch64" in sections:
+            # Issue 6 item 3's workload (gpu_bench.py's transformers baseline: generate at batch 64):
+            # 64 prompts of 512 tokens, 256 generated each, all in flight at once.
+            prompts = random_prompts(64, 512, cfg["vocab_size"], seed=64)
+            run_throughput(llm, prompts[:8], 16)  # warm-up
+            b64 = run_throughput(llm, prompts, 256, max_concurrency=64)
+            res[key]["batch64"] = b64
+            print(f"batch 64 x (512 in + 256 out): {b64['output_tokens_per_s']:.0f} output tok/s "
+                  f"({b64['elapsed_s']:.2f} s)", flush=True)
             save()
         llm.shutdown()
         del llm, runner

@@ -63,9 +63,10 @@ def _batch(lens, kv_dtype, block=16, kv_heads=2, heads=8, head_dim=32, seed=0, d
     return [t.to(device) for t in (q, k, v, tables, seq_lens, qsl)]
 
 
-def _run(q, k, v, tables, seq_lens, qsl):
-    return attention.paged_attention_triton(q, k, v, tables, seq_lens, qsl, q.shape[-1] ** -0.5, 1,
-                                            int(seq_lens.max()))
+def _run(q, k, v, tables, seq_lens, qsl, max_seq_len=None):
+    """`paged_attention_triton` of a decode batch (``max_seq_len`` given: no device sync, for capture)."""
+    bound = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    return attention.paged_attention_triton(q, k, v, tables, seq_lens, qsl, q.shape[-1] ** -0.5, 1, bound)
 
 
 @needs_interpreter
@@ -143,7 +144,7 @@ def test_tma_decode_gpu_llama_shapes(tma_launches, kv_dtype):
     torch.testing.assert_close(out[:16].float(), ref, atol=2e-2, rtol=2e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = _run(q, k, v, tables, seq_lens, qsl)
+        replayed = _run(q, k, v, tables, seq_lens, qsl, max(lens))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(replayed, out)

@@ -16,7 +16,9 @@ layer in one CUDA graph of all layers, alternated ``--rounds`` times:
   bound of ``fused_long_keys``, 2 above);
 - ``fused w4`` / ``fused w2``: 4 or 2 warps at every bound;
 - ``fused max32 merge128``: at most 32 context splits, 128 (head, split) rows of partials merged per
-  round trip instead of 64.
+  round trip instead of 64;
+- ``fused w1`` / ``fused w1 short``: one warp per program at every bound / up to ``fused_long_keys``
+  (one warp made the full-batch TMA kernel 13-35% faster: no barrier per key tile).
 (Calls 4 and 5 of the thirteenth session also timed 8 warps, at least 128 keys per split, at most 16
 splits, and the metadata loads after the PDL wait: BENCHMARKS.md.)
 
@@ -46,6 +48,8 @@ VARIANTS = {  # name -> (KVPILOT_FUSED_DECODE_ATTN, TUNING["decode"] overrides)
     "fused w4": ("1", {"fused_num_warps_long": 4}),
     "fused w2": ("1", {"fused_num_warps": 2}),
     "fused max32 merge128": ("1", {"fused_max_splits": 32, "fused_merge_rows": 128}),
+    "fused w1": ("1", {"fused_num_warps": 1, "fused_num_warps_long": 1}),
+    "fused w1 short": ("1", {"fused_num_warps": 1}),
 }
 BUCKETS = (2048, 8192, 32768)
 
@@ -76,6 +80,8 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bf16-kv", action="store_true", help="bf16 KV caches instead of FP8")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="variants to time (unfused always runs: the others are checked against it)")
     a = ap.parse_args()
     copy_gbs = copy_bandwidth_gbs()
     print(f"GPU {torch.cuda.get_device_name()}, copy {copy_gbs:.0f} GB/s, {'bf16' if a.bf16_kv else 'FP8'} KV")
@@ -101,17 +107,18 @@ def main() -> int:
                 ms = D.graph_ms(lambda: D.run_layers(mods, caches, meta, positions, cos_sin, hidden0), 1, replays=20)
             return ms / a.layers * 1e3, out
 
-        times = {n: [] for n in VARIANTS}
+        names = ["unfused"] + [n for n in a.variants if n != "unfused"]
+        times = {n: [] for n in names}
         outs = {}
         for _ in range(a.rounds):
-            for n in VARIANTS:
+            for n in names:
                 us, outs[n] = measure(n)
                 times[n].append(us)
         print(f"\ncontext {ctx} (graph bound {meta.max_seq_len}), {a.layers} layers, weight floor "
               f"{floor_us:.1f} us per layer")
         print("| variant | us per layer | median | % of floor | rel. diff to unfused, 1 layer | same cache bytes |\n"
               "|---|---|---:|---:|---:|---|")
-        for n in VARIANTS:
+        for n in names:
             med = statistics.median(times[n])
             err = D.rel_err(outs[n][0], outs["unfused"][0])
             same = torch.equal(outs[n][1].view(torch.uint8), outs["unfused"][1].view(torch.uint8))

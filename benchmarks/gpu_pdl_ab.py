@@ -11,6 +11,7 @@ per setting, in the order ``--modes`` gives (alternated, to show drift), and for
 
     python3 benchmarks/gpu_pdl_ab.py [--modes 0 1 0 1]      # exits 1 if any tokens differ
     python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_FUSED_GEMV --allow-diff
+    python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_DECODE_TUNING --modes '{}' '{"fused_num_warps": 1}' --allow-diff
 
 ``--allow-diff`` is for switches that change the fp32 summation order (not only timing): tokens are
 then compared per prompt (first differing step) and only reported.
@@ -19,6 +20,7 @@ then compared per prompt (first differing step) and only reported.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -56,8 +58,13 @@ def main() -> None:
     rows = []
     print(f"| {args.env} | ITL ms (median of 3) | % of floor speed | best run ms | load s | greedy tokens vs first |")
     print("|---|---:|---:|---:|---:|---|")
+    from kvpilot.kernels import attention
+
+    base_tuning = dict(attention.TUNING["decode"])
     for mode in args.modes:
         os.environ[args.env] = mode
+        if args.env == "KVPILOT_DECODE_TUNING":  # read at import: apply to this engine's launches here
+            attention.TUNING["decode"] = dict(base_tuning, **json.loads(mode))
         llm, load_s = build(path, args.kv_dtype, StepLog())
         try:
             runner = llm._executor

@@ -979,8 +979,9 @@ def paged_attention_triton(
 def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_f16: bool) -> str:
     """Why a full-batch decode launch cannot take `_decode_tma_kernel` ("" when it can): it must be
     switched on for the cache's dtype (``TUNING["decode"]["batch_tma_fp8"]`` / ``["batch_tma"]``),
-    this Triton must have host-side TMA descriptors, and each cache must be contiguous with a
-    power-of-two page of >= 16 tokens, a power-of-two head_dim and rows of a multiple of 16 bytes."""
+    this Triton must have host-side TMA descriptors (and the GPU sm_90+), and each cache must be
+    contiguous, with a page size and a head_dim that are powers of two from 16 to 256 and 16-byte
+    rows and bases. Otherwise the launch takes `_decode_kernel`."""
     cfg = TUNING["decode"]
     if not cfg.get("batch_tma_fp8" if kv_f16 else "batch_tma"):
         return "switched off"
@@ -991,8 +992,9 @@ def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     _, block_size, heads, head_dim = k_cache.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "a cache is not contiguous"
-    if block_size < 16 or block_size & (block_size - 1) or head_dim & (head_dim - 1):
-        return "page size and head_dim must be powers of two, the page at least 16 tokens"
+    if block_size & (block_size - 1) or head_dim & (head_dim - 1) or not (16 <= min(block_size, head_dim)
+                                                                          and max(block_size, head_dim) <= 256):
+        return "page size and head_dim must be powers of two from 16 to 256 (tl.dot, TMA box)"
     if head_dim * k_cache.element_size() % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return "TMA needs 16-byte rows and bases"
     return ""

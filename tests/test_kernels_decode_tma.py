@@ -116,10 +116,9 @@ def test_tma_reasons():
             pytest.skip("this Triton has no host-side TMA descriptors")
         assert attention._tma_decode_reason(q, k, k, True) == ""
         assert "contiguous" in attention._tma_decode_reason(q, k[:, :, :1], k, True)
-        odd = torch.zeros(10, 12, 2, 32, dtype=FP8)
-        assert "powers of two" in attention._tma_decode_reason(q, odd, odd, True)
-        small = torch.zeros(10, 8, 2, 32, dtype=FP8)
-        assert "at least 16" in attention._tma_decode_reason(q, small, small, True)
+        for shape in ((10, 12, 2, 32), (10, 8, 2, 32), (10, 16, 2, 8), (10, 512, 2, 32)):
+            bad = torch.zeros(shape, dtype=FP8)  # a page of 12 or 8 tokens, head_dim 8, a 512-token page
+            assert "powers of two from 16 to 256" in attention._tma_decode_reason(q, bad, bad, True), shape
     finally:
         attention.TUNING["decode"].clear()
         attention.TUNING["decode"].update(saved)

@@ -303,8 +303,10 @@ def test_a_worker_killed_while_tokens_are_drawn(stories_model_dir, monkeypatch, 
         built.append(real_build(*args, **kw))
         return built[-1]
 
-    if go:
-        monkeypatch.setattr(s9, "_s", functools.partial(s9._s, logprobs=0))
+    # test_review_session9 asks for logprobs=0 (the front end draws: SYNC_GO); the output rank draws
+    # itself (SYNC_SELF) only without logprobs.
+    real_s = s9._s
+    monkeypatch.setattr(s9, "_s", lambda m, seed=1, **kw: real_s(m, seed, **dict(kw, logprobs=0 if go else None)))
     monkeypatch.setattr(s9, "_build", build)
     s9.test_a_worker_killed_mid_generation(stories_model_dir, rank, False)
     assert (built[0]._executor.num_rank_sampled_steps > 0) != go

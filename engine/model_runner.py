@@ -145,6 +145,11 @@ def prefill_graphs_enabled() -> bool:
     return os.environ.get("KVPILOT_PREFILL_GRAPHS", "1") not in ("0", "false", "False", "no")
 
 
+def warm_up_enabled() -> bool:
+    """``KVPILOT_WARMUP`` (default 1): set to 0 to skip `ModelRunner.warm_up_eager` at start-up."""
+    return os.environ.get("KVPILOT_WARMUP", "1") not in ("0", "false", "False", "no")
+
+
 class _Staging:
     """A growable pinned host buffer plus the event of the last copy that read it.
 
@@ -257,6 +262,8 @@ class ModelRunner:
             from .cuda_graphs import capture_all
 
             self.graphs, self.prefill_graphs = capture_all(self, prefill=prefill_graphs_enabled())
+        if self.device.type == "cuda" and single and warm_up_enabled():
+            self.warm_up_eager()
 
     @property
     def bytes_per_block(self) -> int:
@@ -466,6 +473,55 @@ class ModelRunner:
         if len(sample_idx) != hidden.shape[0]:
             hidden = hidden.index_select(0, sample_t)
         return self.model.compute_logits(hidden), sample_idx
+
+    @torch.inference_mode()
+    def warm_up_eager(self) -> int:
+        """Run eager mixed steps of representative shapes once, so that Triton compiles their kernel
+        specializations at start-up and not in the middle of serving. Returns the steps run.
+
+        CUDA-graph capture compiles what the graphs launch, but a step the graphs do not cover
+        (a prefill chunk past the largest prefill graph, with decode rows beside it) launches the
+        decode attention with its own context splits, hence other variants of `_decode_kernel` and
+        `_reduce_kernel` (``SPLITS_PAD`` follows the split count), and the greedy rows' arg-max runs
+        outside every graph. Measured on an H200 (`benchmarks/gpu_concurrency.py`, fourteenth session)
+        before this existed: 0.2-0.6 s of compiles in the first run at concurrency 1, 4 and 16.
+
+        Each step is one prefill chunk of a sequence (past the prefill graphs' largest bucket and at
+        least 64 tokens, within ``max_num_tokens``) plus ``n`` = 1, 2, 4, ..., 64 decode rows (fewer if ``max_batch_size`` is
+        smaller) at a short and at a long context (a few KV blocks; up to 4,096 tokens, the KV pool and
+        ``max_seq_len`` allowing), so the split count takes its range of values; then a greedy
+        arg-max over the sampled rows. The decode rows share one block table and the chunk starts at
+        block 0: the steps write keys and values into blocks no sequence holds yet, and every real
+        sequence writes each position before reading it. Sequence ids are negative (never the
+        scheduler's). Nothing else changes: no block is allocated and no graph is touched.
+        """
+        from .sampler import greedy_ids
+
+        t0 = time.perf_counter()
+        B = self.block_size
+        graph_top = self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 0
+        max_ctx = min(self.max_seq_len - 1, (self.num_blocks - 1) * B)
+        chunk = min(max(graph_top + 1, 64), self.max_num_tokens - 64, max_ctx)
+        if chunk < 2 or max_ctx < 2:
+            return 0
+        contexts = sorted({min(2 * B + 1, max_ctx), min(4096, max_ctx)})
+        rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < self.max_batch_size]
+        steps = 0
+        sid = -1
+        for ctx in contexts:
+            shared = list(range(-(-ctx // B)))
+            for n in rows:
+                seqs = [ScheduledSeq(sid, [1] * chunk, 0, list(range(-(-chunk // B))), True)]
+                seqs += [ScheduledSeq(sid - 1 - i, [1], ctx - 1, shared, True) for i in range(n)]
+                sid -= n + 1
+                logits, _ = self.execute(seqs)
+                greedy_ids(logits)
+                steps += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warm-up: %d eager mixed steps (chunk of %d tokens, decode rows %s, contexts %s) in %.1f s",
+                    steps, chunk, rows, contexts, time.perf_counter() - t0)
+        return steps
 
     def shutdown(self) -> None:
         """Drop graphs, KV pool and weights so their device memory can be reused in this process."""

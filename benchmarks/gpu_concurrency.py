@@ -56,6 +56,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     a = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # start-up steps
     from kvpilot.bench_offline import random_prompts, run_throughput
 
     path = Path(a.model_dir)

@@ -477,50 +477,72 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_up_eager(self) -> int:
         """Run eager mixed steps of representative shapes once, so that Triton compiles their kernel
-        specializations at start-up and not in the middle of serving. Returns the steps run.
+        specializations at start-up and not in the middle of serving. Returns the steps run (0 when
+        nothing fits); a failure is logged, never raised (serving then compiles on first use).
 
-        CUDA-graph capture compiles what the graphs launch, but a step the graphs do not cover
-        (a prefill chunk past the largest prefill graph, with decode rows beside it) launches the
-        decode attention with its own context splits, hence other variants of `_decode_kernel` and
-        `_reduce_kernel` (``SPLITS_PAD`` follows the split count), and the greedy rows' arg-max runs
-        outside every graph. Measured on an H200 (`benchmarks/gpu_concurrency.py`, fourteenth session)
-        before this existed: 0.2-0.6 s of compiles in the first run at concurrency 1, 4 and 16.
+        CUDA-graph capture compiles what the graphs launch, but a step the graphs do not cover (a
+        mixed step past the largest prefill graph) sends its decode rows to the decode attention with
+        context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
+        count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
+        and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
+        On an H200 before this existed (`benchmarks/gpu_concurrency.py`, fourteenth session), the
+        first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
 
-        Each step is one prefill chunk of a sequence (past the prefill graphs' largest bucket and at
-        least 64 tokens, within ``max_num_tokens``) plus ``n`` = 1, 2, 4, ..., 64 decode rows (fewer if ``max_batch_size`` is
-        smaller) at a short and at a long context (a few KV blocks; up to 4,096 tokens, the KV pool and
-        ``max_seq_len`` allowing), so the split count takes its range of values; then a greedy
-        arg-max over the sampled rows. The decode rows share one block table and the chunk starts at
-        block 0: the steps write keys and values into blocks no sequence holds yet, and every real
-        sequence writes each position before reading it. Sequence ids are negative (never the
-        scheduler's). Nothing else changes: no block is allocated and no graph is touched.
+        The steps, eager whatever their size (no graph, no graph padding):
+        - a 2-token prefill chunk plus ``s - 1`` decode rows for ``s`` = 2, 3, 5, 9, 17, 33, 65 sequences
+          (at most ``max_batch_size``), the rows at contexts of 64, 128, ..., 4,096 keys (the KV pool
+          and ``max_seq_len`` allowing), i.e. every split count class;
+        - a chunk one token past the largest prefill graph (at least 64 tokens, within
+          ``max_num_tokens``) with 1 and with 64 decode rows, through `execute` (the prefill kernel's
+          eager launch, the full-batch decode launch);
+        then a greedy arg-max over each step's sampled rows. The decode rows share one block table
+        and the chunks start at block 0: the steps write keys and values into blocks no sequence
+        holds yet, and every real sequence writes each position before reading it. Sequence ids are
+        negative (never the scheduler's). No block is allocated and no graph is touched.
         """
         from .sampler import greedy_ids
 
         t0 = time.perf_counter()
         B = self.block_size
-        graph_top = self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 0
         max_ctx = min(self.max_seq_len - 1, (self.num_blocks - 1) * B)
-        chunk = min(max(graph_top + 1, 64), self.max_num_tokens - 64, max_ctx)
-        if chunk < 2 or max_ctx < 2:
+        if max_ctx < 2 or self.max_num_tokens < 66:
             return 0
-        contexts = sorted({min(2 * B + 1, max_ctx), min(4096, max_ctx)})
-        rows = [n for n in (1, 2, 4, 8, 16, 32, 64) if n < self.max_batch_size]
-        steps = 0
-        sid = -1
-        for ctx in contexts:
+        sid = [0]
+
+        def step(chunk: int, rows: int, ctx: int, eager: bool) -> None:
+            sid[0] -= rows + 1
+            seqs = [ScheduledSeq(sid[0], [1] * chunk, 0, list(range(-(-chunk // B))), True)]
             shared = list(range(-(-ctx // B)))
-            for n in rows:
-                seqs = [ScheduledSeq(sid, [1] * chunk, 0, list(range(-(-chunk // B))), True)]
-                seqs += [ScheduledSeq(sid - 1 - i, [1], ctx - 1, shared, True) for i in range(n)]
-                sid -= n + 1
+            seqs += [ScheduledSeq(sid[0] - 1 - i, [1], ctx - 1, shared, True) for i in range(rows)]
+            if eager:
+                ids, pos, meta, _, sample_t = self._prepare(seqs, pad_ok=False)
+                hidden = self._forward(ids, pos, meta, self.kv_caches)
+                logits = self.model.compute_logits(hidden.index_select(0, sample_t))
+            else:
                 logits, _ = self.execute(seqs)
-                greedy_ids(logits)
-                steps += 1
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        logger.info("warm-up: %d eager mixed steps (chunk of %d tokens, decode rows %s, contexts %s) in %.1f s",
-                    steps, chunk, rows, contexts, time.perf_counter() - t0)
+            greedy_ids(logits)
+
+        steps = 0
+        try:
+            contexts = [c for c in (64, 128, 256, 512, 1024, 2048, 4096) if c <= max_ctx] or [max_ctx]
+            for s in (2, 3, 5, 9, 17, 33, 65):
+                if s <= self.max_batch_size:
+                    for ctx in contexts:
+                        step(2, s - 1, ctx, True)
+                        steps += 1
+            graph_top = self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 0
+            chunk = min(max(graph_top + 1, 64), self.max_num_tokens - 64, max_ctx)
+            for rows in (1, 64):
+                if rows < self.max_batch_size:
+                    step(chunk, rows, contexts[-1], False)
+                    steps += 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception:  # noqa: BLE001 - a warm-up must never keep the engine from serving
+            logger.warning("warm-up failed after %d steps; kernels compile on first use instead", steps,
+                           exc_info=True)
+            return steps
+        logger.info("warm-up: %d eager steps in %.1f s", steps, time.perf_counter() - t0)
         return steps
 
     def shutdown(self) -> None:

@@ -106,7 +106,7 @@ TUNING = {
         # address registers; per cache dtype. One warp per program keeps the row max, the row sum and
         # the probabilities in registers (no barrier per page). H200, FP8 cache, one layer, batch x
         # ~1,200 keys: 91 / 197 / 278 / 327 us at batch 128 / 256 / 384 / 492 against 142 / 227 / 315
-        # / 421 us with `_decode_kernel` (80-86% of the copy rate against 52-70%; BENCHMARKS.md,
+        # / 421 us with `_decode_kernel` (75-87% of the copy rate against 52-71%; BENCHMARKS.md,
         # fourteenth session); 2 or 4 warps were slower than the pointer kernel at batch 492. bf16
         # cache, batch 256 / 492: 301 / 566 us against 317 / 570 us.
         "batch_tma": True,

@@ -19,34 +19,53 @@ def _greedy(llm: LLM, n: int = 60) -> str:
 
 
 def test_warm_up_steps_and_unchanged_results(stories_model_dir, monkeypatch):
-    """Steps: a prefill chunk plus 1, 2, 4, ... decode rows (below max_batch_size) at a short and a long
-    context; every step carries the chunk and len(rows) decode rows, as scheduled. Greedy text after
-    the warm-up is the golden text, and a second warm-up between requests changes nothing either."""
-    calls = []
-    real = ModelRunner.execute
+    """The steps: a 2-token chunk plus s - 1 decode rows for s = 2, 3, 5, 9 (<= max_batch_size 12) at
+    each context 64, 128, ... the pool allows, eagerly; then a chunk past the prefill graphs (64
+    tokens here, no graphs on CPU) plus 1 decode row through `execute` (64 rows exceed the batch).
+    Greedy text after the warm-up is the golden text, also after a second warm-up between requests."""
+    forwards, executes = [], []
+    real_forward, real_execute = ModelRunner._forward, ModelRunner.execute
+
+    def forward(self, ids, pos, meta, caches):
+        forwards.append((int(meta.query_start_loc.numel()) - 1, int(meta.max_seq_len), int(ids.numel())))
+        return real_forward(self, ids, pos, meta, caches)
 
     def execute(self, seqs):
-        calls.append([(len(s.token_ids), s.start_pos, len(s.block_table), s.seq_id < 0) for s in seqs])
-        return real(self, seqs)
+        executes.append([(len(s.token_ids), s.start_pos, s.seq_id < 0) for s in seqs])
+        return real_execute(self, seqs)
 
     with LLM(str(stories_model_dir), max_batch_size=12, max_num_tokens=256,
              kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=4096)) as llm:
         runner = llm._executor
+        monkeypatch.setattr(ModelRunner, "_forward", forward)
         monkeypatch.setattr(ModelRunner, "execute", execute)
         steps = runner.warm_up_eager()
-        # rows 1, 2, 4, 8 (< 12); contexts 33 and min(4096, max_seq_len - 1, (blocks - 1) * 16).
-        long_ctx = min(4096, runner.max_seq_len - 1, (runner.num_blocks - 1) * 16)
-        assert steps == len(calls) == 2 * 4
-        chunk = min(64, 256 - 64, long_ctx)
-        got = [(len(c) - 1, c[1][1] + 1) for c in calls]
-        assert got == [(n, ctx) for ctx in (33, long_ctx) for n in (1, 2, 4, 8)]
-        for c in calls:
-            assert c[0] == (chunk, 0, -(-chunk // 16), True)
-            assert all(row[0] == 1 and row[3] for row in c[1:])
-        monkeypatch.setattr(ModelRunner, "execute", real)
+        max_ctx = min(runner.max_seq_len - 1, (runner.num_blocks - 1) * 16)
+        contexts = [c for c in (64, 128, 256, 512, 1024, 2048, 4096) if c <= max_ctx]
+        assert len(contexts) >= 2
+        grid = [(s, max(ctx, 2), 2 + s - 1) for s in (2, 3, 5, 9) for ctx in contexts]
+        assert steps == len(grid) + 1 == len(forwards)
+        assert forwards[:-1] == grid
+        assert executes == [[(64, 0, True), (1, contexts[-1] - 1, True)]]
+        assert forwards[-1] == (2, contexts[-1], 65)
+        monkeypatch.setattr(ModelRunner, "_forward", real_forward)
+        monkeypatch.setattr(ModelRunner, "execute", real_execute)
         assert GOLDEN.startswith(_greedy(llm))
         runner.warm_up_eager()
         assert GOLDEN.startswith(_greedy(llm)) and len(_greedy(llm)) > 100
+
+
+def test_warm_up_failure_is_logged_not_raised(stories_model_dir, monkeypatch, caplog):
+    """A step that raises ends the warm-up with a warning; the engine still serves."""
+    with LLM(str(stories_model_dir), max_batch_size=4) as llm:
+        def boom(*a, **k):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(llm._executor, "_forward", boom)
+        assert llm._executor.warm_up_eager() == 0
+        assert "warm-up failed after 0 steps" in caplog.text
+        monkeypatch.undo()
+        assert GOLDEN.startswith(_greedy(llm, 20))
 
 
 def test_warm_up_skips_when_nothing_fits(stories_model_dir):

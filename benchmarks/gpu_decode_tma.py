@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1200])
     ap.add_argument("--kv-dtypes", nargs="+", default=["fp8", "auto"])
     ap.add_argument("--pages", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--warps", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 5, 7])
     ap.add_argument("--maxnreg", type=int, nargs="+", default=[0, 128])
     ap.add_argument("--no-grid", action="store_true", help="only the pointer kernel and --variants")
@@ -107,6 +107,9 @@ def main() -> None:
                 print(f"MISMATCH: {name}")
             elif best is None or us < best[0]:
                 best = (us, name, over)
+        if best is None:
+            print("best: none (every variant failed or mismatched)", flush=True)
+            continue
         print(f"best: {best[1]} ({best[0]:.1f} us)", flush=True)
         print("BEST_JSON", dt_name, ctx, b, json.dumps(best[2]), flush=True)
 

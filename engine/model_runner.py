@@ -247,6 +247,9 @@ class ModelRunner:
         self._staging = _Staging(self.device)
         self._inflight_staging = _Staging(self.device)  # (destination, source) rows of in-flight ids
         self._inflight_tokens: Optional[torch.Tensor] = None
+        # `warm_up_eager` writes into KV blocks: only before the first real step (`execute`).
+        self._served = False
+        self._warming_up = False
         # Tensor-parallel async steps (`parallel_worker.InputSync`): consumed by the next `execute`.
         self.input_sync = None
         self.block_tables = HostBlockTables(self.max_blocks_per_seq, rows=max_batch_size + 64)
@@ -455,6 +458,8 @@ class ModelRunner:
         Raises:
             ValueError: a sequence longer than ``max_seq_len`` on a decode graph step.
         """
+        if not self._warming_up:
+            self._served = True
         fix = self._inflight_fix(seqs) if self._inflight_tokens is not None else None
         sync, self.input_sync = self.input_sync, None
         if sync is not None:
@@ -496,12 +501,21 @@ class ModelRunner:
           ``max_num_tokens``) with 1 and with 64 decode rows, through `execute` (the prefill kernel's
           eager launch, the full-batch decode launch);
         then a greedy arg-max over each step's sampled rows. The decode rows share one block table
-        and the chunks start at block 0: the steps write keys and values into blocks no sequence
-        holds yet, and every real sequence writes each position before reading it. Sequence ids are
-        negative (never the scheduler's). No block is allocated and no graph is touched.
+        and the chunks start at block 0: the steps write keys and values into blocks that no
+        sequence holds before the first step, and every real sequence writes each position before
+        reading it. Sequence ids are negative (never the scheduler's). No block is allocated and no
+        graph is touched. An out-of-memory error or a compile failure ends the warm-up with a
+        warning; other CUDA errors (the context is then unusable) are raised.
+
+        Raises:
+            RuntimeError: called after the runner's first real step (`execute`), when KV blocks may
+                hold cached prefixes that the warm-up would overwrite.
         """
         from .sampler import greedy_ids
 
+        if self._served:
+            raise RuntimeError("warm_up_eager runs before the first step only: it writes into KV blocks "
+                               "that cached prefixes may hold")
         t0 = time.perf_counter()
         B = self.block_size
         max_ctx = min(self.max_seq_len - 1, (self.num_blocks - 1) * B)
@@ -523,6 +537,7 @@ class ModelRunner:
             greedy_ids(logits)
 
         steps = 0
+        self._warming_up = True
         try:
             contexts = [c for c in (64, 128, 256, 512, 1024, 2048, 4096) if c <= max_ctx] or [max_ctx]
             for s in (2, 3, 5, 9, 17, 33, 65):
@@ -538,10 +553,16 @@ class ModelRunner:
                     steps += 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        except Exception:  # noqa: BLE001 - a warm-up must never keep the engine from serving
+        except Exception as e:  # noqa: BLE001 - a warm-up must never keep a healthy engine from serving
+            if "CUDA error" in str(e) and not isinstance(e, torch.OutOfMemoryError):
+                raise  # a sticky CUDA error: the first real request would fail far from the cause
             logger.warning("warm-up failed after %d steps; kernels compile on first use instead", steps,
                            exc_info=True)
+            if isinstance(e, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
             return steps
+        finally:
+            self._warming_up = False
         logger.info("warm-up: %d eager steps in %.1f s", steps, time.perf_counter() - t0)
         return steps
 

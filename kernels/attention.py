@@ -122,10 +122,33 @@ TUNING = {
                 # prefill kernel, instead of a 64-row prefill tile each.
                 "decode_rows_to_decode_kernel": True},
 }
-# Benchmarks A/B launch options in engines of their own: ``KVPILOT_DECODE_TUNING`` (a JSON object)
-# updates ``TUNING["decode"]`` at import, e.g. '{"batch_tma_fp8": true}'.
+
+
+def decode_tuning_from_json(text: str) -> dict:
+    """The ``TUNING["decode"]`` entries of ``text``, a JSON object such as '{"batch_tma_fp8": false}'
+    (``KVPILOT_DECODE_TUNING``, applied at import so that benchmarks can A/B launch options in
+    engines of their own).
+
+    Raises:
+        ValueError: not a JSON object, a key ``TUNING["decode"]`` does not have, or a
+            ``batch_tma_pages`` other than 1 or 2.
+    """
+    try:
+        over = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"KVPILOT_DECODE_TUNING is not JSON: {e}") from None
+    if not isinstance(over, dict):
+        raise ValueError(f"KVPILOT_DECODE_TUNING must be a JSON object, got {type(over).__name__}")
+    unknown = sorted(set(over) - set(TUNING["decode"]))
+    if unknown:
+        raise ValueError(f"KVPILOT_DECODE_TUNING: unknown keys {unknown}; known: {sorted(TUNING['decode'])}")
+    if over.get("batch_tma_pages", 1) not in (1, 2):
+        raise ValueError(f"KVPILOT_DECODE_TUNING: batch_tma_pages must be 1 or 2, got {over['batch_tma_pages']!r}")
+    return over
+
+
 if os.environ.get("KVPILOT_DECODE_TUNING"):
-    TUNING["decode"].update(json.loads(os.environ["KVPILOT_DECODE_TUNING"]))
+    TUNING["decode"].update(decode_tuning_from_json(os.environ["KVPILOT_DECODE_TUNING"]))
 # Sequences per step of the prefill kernel's tile lookup (it scans query_start_loc in chunks): one
 # step for the default 256-sequence batches, so programs past the last tile exit after one load.
 _SEQ_CHUNK = 256
@@ -987,17 +1010,30 @@ def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         return "switched off"
     if TensorDescriptor is None:
         return "this Triton has no host-side TMA descriptors"
-    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
-        return "TMA needs sm_90 or newer"
-    _, block_size, heads, head_dim = k_cache.shape
+    if q.is_cuda and (torch.version.hip or torch.cuda.get_device_capability(q.device)[0] < 9):
+        return "TMA needs an NVIDIA GPU of sm_90 or newer"
+    nb, block_size, heads, head_dim = k_cache.shape
+    if k_cache.element_size() > 2:
+        return "only 8- and 16-bit caches (the ones measured)"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "a cache is not contiguous"
     if block_size & (block_size - 1) or head_dim & (head_dim - 1) or not (16 <= min(block_size, head_dim)
                                                                           and max(block_size, head_dim) <= 256):
         return "page size and head_dim must be powers of two from 16 to 256 (tl.dot, TMA box)"
+    if block_size * head_dim * k_cache.element_size() > _TMA_MAX_BOX_BYTES:
+        return f"a page of one kv head is over {_TMA_MAX_BOX_BYTES} bytes (the kernel's shared memory)"
+    if nb * block_size >= 2**31:
+        return "more cache rows than a 32-bit TMA coordinate holds"
     if head_dim * k_cache.element_size() % 16 or k_cache.data_ptr() % 16 or v_cache.data_ptr() % 16:
         return "TMA needs 16-byte rows and bases"
     return ""
+
+
+# Largest TMA box (one page of one kv head) `_decode_tma_kernel` takes: the engine's bf16 page (32 x
+# 128 x 2 bytes). Its shared memory grows with the box (K and V, several pipeline buffers, the
+# score/probability exchange): a 64 KB box (bf16, 256 x 128) needed 266 KB against an H200's 227 KB
+# (sm_90 compile, tests/compile_kernels.py).
+_TMA_MAX_BOX_BYTES = 8192
 
 
 def _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale_log2, precision,
@@ -1009,6 +1045,8 @@ def _launch_decode_tma(q, k_cache, v_cache, out, block_tables, seq_lens, query_s
     num_heads, head_dim = q.shape[1], q.shape[2]
     nb, block_size, num_kv_heads, _ = k_cache.shape
     pages = cfg["batch_tma_pages"]
+    if pages not in (1, 2):
+        raise ValueError(f'TUNING["decode"]["batch_tma_pages"] must be 1 or 2, got {pages!r}')
     # A descriptor per launch (inside a CUDA graph only at capture), as the GEMV's TMA kind does.
     descs = [TensorDescriptor.from_tensor(c.view(nb * block_size, num_kv_heads * head_dim),
                                           block_shape=[block_size, head_dim]) for c in (k_cache, v_cache)]

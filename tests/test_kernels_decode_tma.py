@@ -89,18 +89,34 @@ def test_tma_decode_matches_reference(tma_launches, monkeypatch, kv_dtype, pages
 
 
 @needs_interpreter
-def test_tma_decode_agrees_with_pointer_kernel_and_skips_padding(tma_launches):
-    """Padded sequences (query length 0, as in a CUDA graph) own no output row; real rows agree with
-    the pointer kernel (`_decode_kernel`) to fp16 rounding."""
+def test_tma_decode_agrees_with_pointer_kernel_and_skips_padding(tma_launches, monkeypatch):
+    """Trailing padded sequences (query length 0, as in a CUDA graph, their query range starting at
+    the real token count) own no output row: the rows past the real tokens keep what the output
+    buffer held (a sentinel here). Real rows agree with the pointer kernel (`_decode_kernel`) to fp16
+    rounding."""
     lens = [33, 5, 48, 100, 7]
     q, k, v, tables, seq_lens, qsl = _batch(lens, FP8, poison=False)
-    qsl = torch.tensor([0, 1, 2, 2, 3, 3], dtype=torch.int32)  # sequences 2 and 4 padded (q_len 0)
+    qsl = torch.tensor([0, 1, 2, 3, 3, 3], dtype=torch.int32)  # sequences 3 and 4 padded (q_len 0)
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(7.0))
     out = _run(q, k, v, tables, seq_lens, qsl)
     assert tma_launches == [FP8]
+    assert torch.equal(out[3:], torch.full_like(out[3:], 7.0))
     attention.TUNING["decode"].update(batch_tma=False, batch_tma_fp8=False)
     base = _run(q, k, v, tables, seq_lens, qsl)
     assert tma_launches == [FP8]
+    assert torch.equal(base[3:], torch.full_like(base[3:], 7.0))
     torch.testing.assert_close(out[:3].float(), base[:3].float(), atol=1e-3, rtol=1e-3)
+
+
+def test_decode_tuning_from_json():
+    """``KVPILOT_DECODE_TUNING``: a JSON object of known keys, two pages at most; anything else a ValueError."""
+    assert attention.decode_tuning_from_json('{"batch_tma_fp8": false, "batch_tma_pages": 2}') == {
+        "batch_tma_fp8": False, "batch_tma_pages": 2}
+    for text, match in (("{", "not JSON"), ("[1]", "JSON object"), ('{"batch_tma_fp8 ": false}', "unknown keys"),
+                        ('{"batch_tma_pages": 3}', "1 or 2")):
+        with pytest.raises(ValueError, match=match):
+            attention.decode_tuning_from_json(text)
 
 
 def test_tma_reasons():
@@ -119,6 +135,12 @@ def test_tma_reasons():
         for shape in ((10, 12, 2, 32), (10, 8, 2, 32), (10, 16, 2, 8), (10, 512, 2, 32)):
             bad = torch.zeros(shape, dtype=FP8)  # a page of 12 or 8 tokens, head_dim 8, a 512-token page
             assert "powers of two from 16 to 256" in attention._tma_decode_reason(q, bad, bad, True), shape
+        # The engine's bf16 page (32 x 128) is the largest box; 64 x 128 would need too much shared memory.
+        ok, big = torch.zeros(4, 32, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
+        assert attention._tma_decode_reason(q, ok, ok, False) == ""
+        assert "shared memory" in attention._tma_decode_reason(q, big, big, False)
+        fp32 = torch.zeros(4, 16, 2, 32)
+        assert "8- and 16-bit" in attention._tma_decode_reason(q, fp32, fp32, False)
     finally:
         attention.TUNING["decode"].clear()
         attention.TUNING["decode"].update(saved)

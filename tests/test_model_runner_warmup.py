@@ -22,7 +22,7 @@ def test_warm_up_steps_and_unchanged_results(stories_model_dir, monkeypatch):
     """The steps: a 2-token chunk plus s - 1 decode rows for s = 2, 3, 5, 9 (<= max_batch_size 12) at
     each context 64, 128, ... the pool allows, eagerly; then a chunk past the prefill graphs (64
     tokens here, no graphs on CPU) plus 1 decode row through `execute` (64 rows exceed the batch).
-    Greedy text after the warm-up is the golden text, also after a second warm-up between requests."""
+    Greedy text after the warm-up is the golden text; once a request has run, a warm-up is refused."""
     forwards, executes = [], []
     real_forward, real_execute = ModelRunner._forward, ModelRunner.execute
 
@@ -50,13 +50,15 @@ def test_warm_up_steps_and_unchanged_results(stories_model_dir, monkeypatch):
         assert forwards[-1] == (2, contexts[-1], 65)
         monkeypatch.setattr(ModelRunner, "_forward", real_forward)
         monkeypatch.setattr(ModelRunner, "execute", real_execute)
-        assert GOLDEN.startswith(_greedy(llm))
-        runner.warm_up_eager()
         assert GOLDEN.startswith(_greedy(llm)) and len(_greedy(llm)) > 100
+        # After a real step KV blocks may hold cached prefixes: a warm-up would overwrite them.
+        with pytest.raises(RuntimeError, match="before the first step"):
+            runner.warm_up_eager()
 
 
 def test_warm_up_failure_is_logged_not_raised(stories_model_dir, monkeypatch, caplog):
-    """A step that raises ends the warm-up with a warning; the engine still serves."""
+    """A step that raises (a compile failure, say) ends the warm-up with a warning and the engine
+    still serves; a CUDA error, which leaves the context unusable, is raised."""
     with LLM(str(stories_model_dir), max_batch_size=4) as llm:
         def boom(*a, **k):
             raise RuntimeError("injected")
@@ -64,7 +66,15 @@ def test_warm_up_failure_is_logged_not_raised(stories_model_dir, monkeypatch, ca
         monkeypatch.setattr(llm._executor, "_forward", boom)
         assert llm._executor.warm_up_eager() == 0
         assert "warm-up failed after 0 steps" in caplog.text
+
+        def sticky(*a, **k):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(llm._executor, "_forward", sticky)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            llm._executor.warm_up_eager()
         monkeypatch.undo()
+        assert not llm._executor._warming_up
         assert GOLDEN.startswith(_greedy(llm, 20))
 
 

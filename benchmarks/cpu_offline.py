@@ -25,7 +25,7 @@ def main() -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from kvpilot import LLM, SamplingParams
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     model = args.model or str(ensure_stories260k())
     tok = AutoTokenizer.from_pretrained(model)

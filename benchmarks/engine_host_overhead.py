@@ -65,7 +65,7 @@ class _NoEvent:
 def _host_decode_graphs(runner):
     """`DecodeGraphs` with plain CPU host buffers and nothing captured: its `prepare` is the host
     work of a decode-graph step (the replay and the copy are device work)."""
-    from kvpilot.cuda_graphs import DecodeGraphs
+    from kvpilot.runner.cuda_graphs import DecodeGraphs
 
     class HostOnly(DecodeGraphs):
         _needs_cuda = False
@@ -236,7 +236,7 @@ def main() -> int:
 
     os.environ.setdefault("KVPILOT_CUDA_GRAPHS", "0")  # the model is replaced: capture nothing
     from kvpilot import LLM, KvCacheConfig
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     max_batch = max(args.batch)
     if max_batch > args.max_batch_size:

@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out, sweep: bool = False) -> None:
 
     buf = symm_mem.empty(max(SIZES), dtype=torch.bfloat16, device=dev)
     symm_mem.rendezvous(buf, group)
-    from kvpilot.custom_all_reduce import CustomAllReduce
+    from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
     os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"] = str(max(SIZES) // 4096)
     car = CustomAllReduce.create(group, rank, world, dev, REPS, 4096) if world == 2 else None

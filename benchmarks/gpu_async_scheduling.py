@@ -1,4 +1,4 @@
-"""A/B of async scheduling (`kvpilot.engine_core`) in one engine on a GPU, self-checking.
+"""A/B of async scheduling (`kvpilot.core.engine_core`) in one engine on a GPU, self-checking.
 
 Builds the engine of `gpu_recheck.py` (Llama-3.1-8B shape, random bf16 weights, max_batch_size 512,
 max_num_tokens 8192, ``--kv-dtype``), then runs every workload with ``async_scheduling`` off and on
@@ -62,7 +62,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from kvpilot import SamplingParams
-    from kvpilot.bench_offline import random_prompts
+    from kvpilot.tools.bench_offline import random_prompts
 
     cfg = TINY if args.tiny else LLAMA31_8B
     path = Path("/tmp/kvpilot-tiny-random" if args.tiny else args.model_dir)

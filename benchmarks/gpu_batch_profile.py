@@ -109,7 +109,7 @@ def mixed_attention(runner, decodes: int, ctx: int, chunks: int, chunk: int) -> 
     import triton
 
     from kvpilot.kernels import attention
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     cfg = runner.cfg
     H, D = cfg.num_attention_heads, cfg.head_dim

@@ -115,7 +115,7 @@ def ceilings(info: dict, dev: str, tiny: bool) -> None:
 def stories_golden(info: dict, dev: str) -> None:
     from engine_helpers import GOLDEN
     from kvpilot import LLM, KvCacheConfig, SamplingParams
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     path = ensure_stories260k()
     for dtype in ("float32", "bfloat16"):
@@ -138,7 +138,7 @@ def model_flops(cfg: dict, T: int) -> float:
 
 def direct_seqs(runner, token_lists, all_logits=False, start_pos=None):
     """ScheduledSeqs on consecutive fresh blocks (only while the engine is idle and nothing is cached)."""
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     B, blk, seqs = runner.block_size, 0, []
     for i, toks in enumerate(token_lists):
@@ -162,8 +162,8 @@ def decode_step_ms(runner, b: int, ctx: int, iters: int) -> float:
 
 def kvpilot_phase(run: Run, a, model_dir: Path, cfg: dict, store: dict) -> None:
     from kvpilot import LLM, KvCacheConfig, SamplingParams
-    from kvpilot.bench_offline import random_prompts, run_latency, run_throughput
-    from kvpilot.cuda_graphs import DecodeGraphs
+    from kvpilot.tools.bench_offline import random_prompts, run_latency, run_throughput
+    from kvpilot.runner.cuda_graphs import DecodeGraphs
 
     V, tiny, dev = cfg["vocab_size"], a.tiny, a.device
     bw = run.res["sections"].get("ceilings", {}).get("copy_bandwidth_Bps")
@@ -271,7 +271,7 @@ def kvpilot_phase(run: Run, a, model_dir: Path, cfg: dict, store: dict) -> None:
 
 def make_prompts(a, V: int) -> dict:
     """The prompts both phases use (fixed seeds, so the transformers subprocess draws the same)."""
-    from kvpilot.bench_offline import random_prompts
+    from kvpilot.tools.bench_offline import random_prompts
 
     return {"prompt512": random_prompts(1, 512 if not a.tiny else 64, V, seed=512)[0],
             "prompts32": random_prompts(32, 64, V, seed=32), "prompt128": random_prompts(1, 128, V, seed=128)[0],

@@ -59,7 +59,7 @@ def main() -> None:
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # start-up steps
-    from kvpilot.bench_offline import random_prompts, run_throughput
+    from kvpilot.tools.bench_offline import random_prompts, run_throughput
 
     path = Path(a.model_dir)
     if not (path / "config.json").exists():

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import kvpilot.kernels as K
-from kvpilot import llama
+from kvpilot.model import llama
 from kvpilot.kernels import kv_cache as kv_mod
 from kvpilot.kernels import pointwise as pw_mod
 
@@ -205,7 +205,7 @@ def unfused_attention_forward(self, positions, hidden, meta, kv_cache, cos_sin_c
 
 
 def model_config(layers: int):
-    from kvpilot.config import ModelConfig
+    from kvpilot.model.config import ModelConfig
 
     return ModelConfig(
         vocab_size=128256, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=layers,

@@ -46,9 +46,9 @@ def build_runner(layers: int, max_seq_len: int, max_batch_size: int, kv_dtype: s
     """A `ModelRunner` of Llama-3.1-8B's shape (``layers`` layers) with random weights on the GPU."""
     from transformers import LlamaConfig
 
-    import kvpilot.model_runner as mr
+    import kvpilot.runner.model_runner as mr
     from kvpilot import KvCacheConfig
-    from kvpilot.config import ModelConfig
+    from kvpilot.model.config import ModelConfig
 
     path = Path("/tmp/kvpilot-profile-model")
     path.mkdir(exist_ok=True)
@@ -75,7 +75,7 @@ def build_runner(layers: int, max_seq_len: int, max_batch_size: int, kv_dtype: s
 
 def decode_seqs(runner, b: int, ctx: int, scatter: bool):
     """``b`` one-token decodes at context ``ctx``; blocks consecutive or scattered over the pool."""
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     nb = -(-ctx // runner.block_size)
     g = torch.Generator().manual_seed(ctx)

@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--no-anatomy", action="store_true", help="skip the batch-1 / batch-256 step split")
     args = ap.parse_args()
 
-    from kvpilot.bench_offline import random_prompts, run_throughput
+    from kvpilot.tools.bench_offline import random_prompts, run_throughput
     from kvpilot.kernels import attention
 
     path = Path(args.model_dir)
@@ -139,7 +139,7 @@ def profile(llm, log, prompts, input_len: int, output_len: int, name: str, out) 
     import json
     import tempfile
 
-    from kvpilot.bench_offline import run_throughput
+    from kvpilot.tools.bench_offline import run_throughput
 
     log.rows.clear()
     log.on = True
@@ -239,7 +239,7 @@ def _split(log, recs, batch: int) -> Optional[dict]:
 
 def anatomy(llm, log, prompts, output_len: int, name: str) -> None:
     """Where a decode-only engine step's wall time goes, without a profiler (`_step_events`)."""
-    from kvpilot.bench_offline import run_throughput
+    from kvpilot.tools.bench_offline import run_throughput
 
     log.rows.clear()
     log.on = True

@@ -33,7 +33,7 @@ def main() -> None:
     import transformers
     from transformers import LlamaForCausalLM
 
-    from kvpilot.bench_offline import random_prompts
+    from kvpilot.tools.bench_offline import random_prompts
 
     path = Path(a.model_dir)
     if not (path / "config.json").exists():

@@ -45,14 +45,14 @@ REL_ERR_TARGET, IDENTICAL_TARGET = 2e-2, 0.9
 
 
 def prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
-    from kvpilot.bench_offline import random_prompts
+    from kvpilot.tools.bench_offline import random_prompts
 
     return random_prompts(1, PREFILL_LEN, vocab, seed=512)[0], random_prompts(PROMPTS, PROMPT_LEN, vocab, seed=32)
 
 
 def kvpilot_phase(model_dir: Path, dtype: str, out: Path) -> None:
     from kvpilot import LLM, KvCacheConfig, SamplingParams
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     p512, p32 = prompts(LLAMA31_8B["vocab_size"])
     llm = LLM(str(model_dir), skip_tokenizer_init=True, device="cuda", dtype=dtype, max_batch_size=PROMPTS,

@@ -82,7 +82,7 @@ class _Workload:
         self.tabs = [[self.free.pop() for _ in range(-(-(ln + 1) // self.B))] for ln in self.lens]
 
     def seqs(self, fresh: bool = False, id_base: int = 0):
-        from kvpilot.model_runner import ScheduledSeq
+        from kvpilot.runner.model_runner import ScheduledSeq
 
         return [ScheduledSeq(id_base + i, [5 + i % 100], ln, list(t) if fresh else t, True)
                 for i, (ln, t) in enumerate(zip(self.lens, self.tabs))]
@@ -164,7 +164,7 @@ def host_times(runner, n: int, iters: int = 64) -> dict[str, float]:
     out["graph prepare, old code"] = _time(lambda: _old_prepare(g, plans[next(it)][0]), iters) * 1e6
     it = iter(range(iters))
     out["graph prepare, fresh lists"] = _time(lambda: g.prepare(plans[next(it)][1]), iters) * 1e6
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     chunk = ScheduledSeq(999_999, list(range(10, 1010)), 0, list(range(64)), True)
     mixed = [p[0] + [chunk] for p in plans]

@@ -49,7 +49,7 @@ TOL = 2e-2
 
 def make_seqs(specs, block: int):
     """(tokens, start position) pairs -> ScheduledSeqs on disjoint fresh blocks, all sampling."""
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     seqs, nxt = [], 0
     for i, (n, start) in enumerate(specs):
@@ -104,8 +104,9 @@ def main() -> int:
     args = ap.parse_args()
 
     os.environ.setdefault("KVPILOT_PREFILL_GRAPH_TOKENS", "1024")
-    from kvpilot.config import KvCacheConfig, ModelConfig
-    from kvpilot.model_runner import ModelRunner
+    from kvpilot.config import KvCacheConfig
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.model_runner import ModelRunner
 
     cfg = dict(LLAMA31_8B, num_hidden_layers=args.layers)
     path = Path(args.model_dir or "/tmp/kvpilot-llama8b-random" + ("" if args.layers == 32 else f"-L{args.layers}"))

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--allow-diff", action="store_true", help="report differing tokens instead of failing")
     args = ap.parse_args()
     from kvpilot import SamplingParams
-    from kvpilot.bench_offline import random_prompts, run_latency
+    from kvpilot.tools.bench_offline import random_prompts, run_latency
 
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)

@@ -7,7 +7,7 @@ question is timed warm (the prefix's full blocks come from the cache). TTFT is m
 `generate_async` to the first streamed token. Prints the medians and the speed-up.
 
 The engine runs as configured by default: CUDA graphs on, so the cached request's small prefill step
-replays a prefill graph (`kvpilot.cuda_graphs.PrefillGraphs`). For an A/B run of that step eagerly,
+replays a prefill graph (`kvpilot.runner.cuda_graphs.PrefillGraphs`). For an A/B run of that step eagerly,
 set ``KVPILOT_PREFILL_GRAPHS=0`` (decode graphs stay on); the table says which graphs were captured.
 
     python3 benchmarks/gpu_prefix_cache.py --out $OUT       # GPU

@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     sections = set(args.sections.split(","))
 
-    from kvpilot.bench_offline import random_prompts, run_latency, run_throughput
+    from kvpilot.tools.bench_offline import random_prompts, run_latency, run_throughput
 
     bw = copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "copy_bandwidth_Bps": bw, "date": time.strftime("%Y-%m-%d")}

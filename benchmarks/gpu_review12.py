@@ -1,7 +1,7 @@
 """GPU check of the twelfth session's review (tests/test_review_session12.py): the greedy rows' Triton
 arg-max and the "tma" GEMV kind on an H200, against CUDA's own references.
 
-1. ``kvpilot.kernels.sampling.argmax`` / ``kvpilot.sampler.greedy_ids`` against ``torch.argmax(dim=-1)``
+1. ``kvpilot.kernels.sampling.argmax`` / ``kvpilot.sampling.sampler.greedy_ids`` against ``torch.argmax(dim=-1)``
    on the GPU (the reference whose ids the engine promised to keep): vocabularies 1, 4,097, 32,000,
    128,256, 152,064, 262,144, 8,388,613 and 300,000,001 (more than 65,535 chunks of 4,096 before the
    review: a grid CUDA refuses), float32/bfloat16/float16, rows with ties, NaNs, -0.0/0.0 and +inf on
@@ -63,7 +63,7 @@ def hard_rows(S: int, V: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def argmax_checks() -> None:
     from kvpilot.kernels import sampling as KS
-    from kvpilot.sampler import greedy_ids
+    from kvpilot.sampling.sampler import greedy_ids
 
     for V in (1, 4097, 32000, 128256, 152064, 262144):
         for S in (1, 8, 64):

@@ -108,7 +108,7 @@ def lazy_section() -> bool:
 
 def pivot_section() -> bool:
     from kvpilot.kernels import sampling as ks
-    from kvpilot.sampler import Sampler, SamplingRow
+    from kvpilot.sampling.sampler import Sampler, SamplingRow
 
     V = 128256
     sampler = Sampler("triton")
@@ -139,7 +139,7 @@ def pivot_section() -> bool:
 
 
 def nan_section() -> bool:
-    from kvpilot.sampler import Sampler, SamplingRow
+    from kvpilot.sampling.sampler import Sampler, SamplingRow
 
     settings = [(0.0, 1.0, 0.0, 0), (0.8, 1.0, 0.0, 0), (1.0, 0.9, 0.0, 0), (1.0, 1.0, 0.1, 0), (1.0, 0.9, 0.0, 20)]
     rows = [SamplingRow(temperature=t, top_p=p, min_p=m, top_k=k, seed=i, step=1)

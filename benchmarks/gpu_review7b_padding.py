@@ -86,7 +86,7 @@ class RandomSchedule:
 
     def plan(self) -> list:
         """The next step's ``list[ScheduledSeq]`` (empty when nothing is left to compute)."""
-        from kvpilot.model_runner import ScheduledSeq
+        from kvpilot.runner.model_runner import ScheduledSeq
 
         rng, live = self.rng, self.live
         while len(live) < self.max_seqs and len(self.free) >= self.width:
@@ -119,9 +119,10 @@ class RandomSchedule:
 def check_padding(model: Path, device: str, steps: int) -> tuple[bool, list[str]]:
     """Run ``steps`` steps of a `RandomSchedule` on ``model`` (bf16) three ways (module docstring);
     returns (all padded steps equal one GPU's, report lines)."""
-    from kvpilot.config import KvCacheConfig, ModelConfig
-    from kvpilot.cuda_graphs import PrefillGraphs
-    from kvpilot.model_runner import ModelRunner, prefill_padding
+    from kvpilot.config import KvCacheConfig
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.cuda_graphs import PrefillGraphs
+    from kvpilot.runner.model_runner import ModelRunner, prefill_padding
 
     max_bs, max_seq = 4, 1024
     runner = ModelRunner(model, ModelConfig.from_dir(model), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=4 * max_seq),

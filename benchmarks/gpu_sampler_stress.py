@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args()
     from kvpilot.kernels import sampling as ks
-    from kvpilot.sampler import Sampler, SamplingRow
+    from kvpilot.sampling.sampler import Sampler, SamplingRow
 
     dev = torch.device(args.device)
     rng = torch.Generator(device=dev).manual_seed(args.seed)

@@ -51,8 +51,8 @@ def rank_main(rank: int, spec, a, queue) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile
 
-    from kvpilot.model_runner import ScheduledSeq
-    from kvpilot.parallel_worker import Worker
+    from kvpilot.runner.model_runner import ScheduledSeq
+    from kvpilot.parallel.worker import Worker
 
     worker = Worker(rank, spec)
     runner = worker.runner
@@ -110,8 +110,8 @@ def rank_main(rank: int, spec, a, queue) -> None:
 
 def run_layout(model: Path, tp: int, a) -> list[dict]:
     from kvpilot import KvCacheConfig
-    from kvpilot.config import ModelConfig
-    from kvpilot.parallel import make_worker_spec
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.parallel.executor import make_worker_spec
 
     cfg = ModelConfig.from_dir(model)
     kv = KvCacheConfig(free_gpu_memory_fraction=0.5)

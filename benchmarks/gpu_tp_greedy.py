@@ -6,14 +6,14 @@ flips near-ties after a few tokens. Two causes were examined (seventh session):
 
 - TP: the row-parallel projections (``o_proj``, ``down_proj``) sum bf16-rounded partial products
   in a bf16 all-reduce, two extra roundings per projection. ``KVPILOT_TP_REDUCE_FP32=1`` reduces in
-  float32 and rounds once (engine/llama.py). Measured on two H200s: mean logprob difference to one
+  float32 and rounds once (engine/model/llama.py). Measured on two H200s: mean logprob difference to one
   GPU 4.4e-2 -> 3.6e-2, no prompt more identical (0/8 both), batch-1 ITL +0.9%; so it stays off by
   default. What remains is fp32 summation order (cuBLAS algorithms for the halved matrices,
   attention's context splits over 4 instead of 8 KV heads).
 - PP: one GPU runs prefill steps of up to 256 tokens from CUDA graphs padded to token buckets, the
   stages ran them eagerly at the real token count, so cuBLAS and the attention kernels saw other
   shapes (other algorithms and context splits). Parallel ranks now pad those steps the same way
-  (engine/model_runner.py, `prefill_padding`), so a PP 2 stage runs one GPU's kernels at one GPU's
+  (engine/runner/model_runner.py, `prefill_padding`), so a PP 2 stage runs one GPU's kernels at one GPU's
   shapes: with one request at a time its tokens and logprobs are one GPU's exactly (8/8 prompts,
   logprob difference 0, on two H200s).
 
@@ -25,7 +25,7 @@ first layout; the chosen tokens' logprobs over the common prefix (max and mean d
 batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N, median
 of 3 after a warm-up (``--itl-tokens`` N).
 
-Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/tp_invariant.py): every layout computes
+Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py): every layout computes
 a TP-``T`` group's decomposition, so one GPU with ``T = 2`` should give TP 2's tokens and logprobs
 exactly. ``--invariant 2`` runs the layouts ``1x1:KVPILOT_TP_INVARIANT=2,2x1,1x1`` (TP 1 invariant
 first, as the reference; TP 2 with default settings; TP 1 default) and adds a summary line: identical

@@ -165,7 +165,7 @@ def main() -> int:
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ["KVPILOT_STEP_TIMING"] = "1"
-    from kvpilot.parallel import format_step_timing
+    from kvpilot.parallel.executor import format_step_timing
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=32)
     a = p.parse_args()
-    import kvpilot.parallel as par
+    import kvpilot.parallel.executor as par
 
     fmt = getattr(par, "format_step_timing", repr)
 

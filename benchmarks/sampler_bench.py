@@ -1,4 +1,4 @@
-"""Micro-benchmark of the batched sampler (engine/sampler.py) at serving batch sizes, self-checking.
+"""Micro-benchmark of the batched sampler (engine/sampling/sampler.py) at serving batch sizes, self-checking.
 
 Times `Sampler(backend)(logits, rows)` (on CUDA by default the Triton kernels of
 kvpilot.kernels.sampling, the engine's default there) for a
@@ -61,9 +61,9 @@ import torch
 
 
 def _import_kvpilot():
-    """kvpilot.sampler, also from a bare checkout (engine/ -> kvpilot, kernels/ -> kvpilot.kernels)."""
+    """kvpilot.sampling.sampler, also from a bare checkout (engine/ -> kvpilot, kernels/ -> kvpilot.kernels)."""
     try:
-        import kvpilot.sampler as sampler  # noqa: F401
+        import kvpilot.sampling.sampler as sampler  # noqa: F401
     except ImportError:
         root = Path(__file__).resolve().parents[1]
         for name, path in (("kvpilot", root / "engine"), ("kvpilot.kernels", root / "kernels")):
@@ -72,7 +72,7 @@ def _import_kvpilot():
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
-    import kvpilot.sampler as sampler
+    import kvpilot.sampling.sampler as sampler
 
     return sampler
 

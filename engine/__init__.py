@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "LLM": "llm", "EngineDeadError": "llm",
+    "LLM": "llm", "EngineDeadError": "outputs",
     "SamplingParams": "sampling_params",
     "KvCacheConfig": "config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",

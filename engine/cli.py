@@ -15,12 +15,12 @@ import sys
 # (subcommand, module, help). `convert` takes a source format as a further subcommand.
 _COMMANDS = [
     ("serve", "kvpilot.server.cli", "run the OpenAI-compatible HTTP server for one model"),
-    ("bench", "kvpilot.bench", "benchmarks: serving latency, offline throughput, batch-1 latency"),
+    ("bench", "kvpilot.tools.bench", "benchmarks: serving latency, offline throughput, batch-1 latency"),
     ("operator", "kvpilot.operator.cli_operator", "run the LLMDeployment operator (kopf)"),
     ("render", "kvpilot.operator.cli_render", "print the manifests the operator would apply for a CR"),
 ]
 _CONVERTERS = [
-    ("llama2c", "kvpilot.convert_llama2c", "llama2.c checkpoint + tokenizer -> Hugging Face directory"),
+    ("llama2c", "kvpilot.tools.convert_llama2c", "llama2.c checkpoint + tokenizer -> Hugging Face directory"),
 ]
 
 

@@ -306,3 +306,7 @@ class RequestOutput:
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
                 f"outputs={self.outputs!r}, finished={self.finished})")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down, or a worker failed); no request can be served."""

@@ -10,7 +10,7 @@ import os
 def model_path() -> str:
     if os.environ.get("KVPILOT_MODEL"):
         return os.environ["KVPILOT_MODEL"]
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     return str(ensure_stories260k())
 

@@ -13,7 +13,7 @@ import time
 
 import openai
 
-from kvpilot.convert_llama2c import ensure_stories260k
+from kvpilot.tools.convert_llama2c import ensure_stories260k
 from kvpilot.server.launcher import ServerProcess
 
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"

@@ -13,7 +13,7 @@ the norm and the activation into the product that consumes them:
 ``W`` is an ``nn.Linear`` weight, ``[N, K]`` row-major; every op takes an optional ``bias`` ``[N]``.
 ``gemv`` and ``silu_mul_gemv`` also take ``out_dtype``: ``torch.float32`` returns the fp32
 accumulator (plus bias) unrounded, for a tensor-parallel row-parallel layer that sums partial
-products across ranks before rounding once (engine/llama.py); the default (None) is the input dtype,
+products across ranks before rounding once (engine/model/llama.py); the default (None) is the input dtype,
 bit-identical to calling without it.
 Each op has a ``*_ref`` (PyTorch: the references of ``reference.py`` + ``F.linear``), a
 ``*_triton`` (any ``M <= MAX_TRITON_ROWS``) and a dispatcher: Triton for CUDA inputs of at most

@@ -1,8 +1,8 @@
-"""Triton kernels of the batched sampler; ``engine/sampler.py`` defines what they compute.
+"""Triton kernels of the batched sampler; ``engine/sampling/sampler.py`` defines what they compute.
 
 They read the ``[rows, V]`` logits where they lie (rows picked by index, no gathered copies) and
 never write a ``[rows, V]`` temporary; the Gumbel noise is made in registers, bit for bit the
-counter hash of ``kvpilot.sampler.gumbel_noise``.
+counter hash of ``kvpilot.sampling.sampler.gumbel_noise``.
 
 - Greedy rows and rows without top-k/top-p/min-p: ``_plain_kernel``, one pass, arg-max of
   ``logits`` or of ``logits / T + G`` per chunk; ``_resolve_kernel`` reduces the chunks.
@@ -53,7 +53,7 @@ counter hash of ``kvpilot.sampler.gumbel_noise``.
   token whose rank is inside the prefix, found in a few masked arg-max rounds).
 
 - ``_penalty_kernel`` (`apply_penalties`): repetition/frequency/presence penalties in place, one
-  pass reading each penalised row and its token counts (``kvpilot.logits_processors``).
+  pass reading each penalised row and its token counts (``kvpilot.sampling.logits_processors``).
 
 Masses are the fixed-point integers ``floor(exp(z - m) * 2**44)`` that the reference sums too, so
 every exact decision is the same integer comparison in both (no summation-order rounding).
@@ -113,7 +113,7 @@ def _check_vocab(V: int) -> None:
         raise ValueError(f"the Triton sampler kernels take at most {MAX_VOCAB} vocabulary columns, got {V}")
 
 
-# ---- hashing and noise: the same bits as kvpilot.sampler._row_keys / _gumbel_from_keys ---------
+# ---- hashing and noise: the same bits as kvpilot.sampling.sampler._row_keys / _gumbel_from_keys ---------
 @triton.jit
 def _hash32(x):
     x = x ^ (x >> 16)
@@ -924,7 +924,7 @@ def _carve(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> list[torc
 
 def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_rows: torch.Tensor,
          filt_rows: torch.Tensor, n_pivot: Optional[int] = None) -> torch.Tensor:
-    """Choose one token per row of ``logits`` (see the module docstring and engine/sampler.py).
+    """Choose one token per row of ``logits`` (see the module docstring and engine/sampling/sampler.py).
 
     Args:
         logits: [S, V] float32/bfloat16/float16, last dimension contiguous (CUDA, or CPU tensors
@@ -1103,12 +1103,12 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, slots: torch.Tenso
         logits: [S, V] float32, last dimension contiguous; rows ``rows`` are modified.
         rows: [P] int64 rows of ``logits``; slots: [P] int64 rows of ``counts``.
         counts: [N, V] int32, contiguous: ``2 * (count in the output) + (1 if in the prompt)`` per
-            token (kvpilot.logits_processors.TokenCounts).
+            token (kvpilot.sampling.logits_processors.TokenCounts).
         pen: [P, 3] float32 contiguous: repetition, frequency, presence penalty per row.
         rep / freq: whether any row has a repetition penalty / a frequency or presence penalty.
     Only tokens with a count change (``x / rep`` or ``x * rep`` where seen, then
     ``x - (frequency * n + presence)`` where the output holds them n > 0 times); the values equal
-    ``kvpilot.logits_processors._penalties_torch`` bit for bit.
+    ``kvpilot.sampling.logits_processors._penalties_torch`` bit for bit.
     """
     S, V = logits.shape
     if logits.stride(1) != 1 or logits.dtype != torch.float32:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvpilot.model_runner import ScheduledSeq
+from kvpilot.runner.model_runner import ScheduledSeq
 
 
 class DecodeTables:

@@ -471,7 +471,7 @@ _ROW_KINDS = {"g": (0.0, 0, 1.0, 0.0), "t": (0.8, 0, 1.0, 0.0), "k": (0.7, 50, 1
 def _draw_inputs(kinds: str):
     """(fprm, iprm, plain_rows, filtered_rows) for ``sampling.draw``, one row per letter of ``kinds``.
 
-    Laid out as the engine's sampler sends them (engine/sampler.py, ``_Draw.tensors``): fprm
+    Laid out as the engine's sampler sends them (engine/sampling/sampler.py, ``_Draw.tensors``): fprm
     [S, 4] float32 (temperature, top_p, log(min_p) or -inf, 0); iprm [S, 4] int64 (top_k, seed,
     step, 0) and the row order (plain and greedy rows, then filtered ones) as views of one int64
     buffer. Built here from draw()'s documented contract rather than by calling the sampler, so
@@ -535,7 +535,7 @@ def _sampling_argmax(num_rows: int, dtype: torch.dtype):
     def case():
         from kvpilot.kernels import sampling
 
-        sampling.argmax(torch.empty(num_rows, VOCAB, dtype=dtype))  # greedy rows (kvpilot.sampler.greedy_ids)
+        sampling.argmax(torch.empty(num_rows, VOCAB, dtype=dtype))  # greedy rows (kvpilot.sampling.sampler.greedy_ids)
 
     return case
 

@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def stories_model_dir() -> Path:
     """Hugging Face directory of llama2.c's stories260K model, converted once into the kvpilot cache."""
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     return ensure_stories260k()

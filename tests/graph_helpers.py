@@ -1,4 +1,4 @@
-"""CPU doubles of the CUDA-graph sets (`kvpilot.cuda_graphs`): their device hooks are replaced so the
+"""CPU doubles of the CUDA-graph sets (`kvpilot.runner.cuda_graphs`): their device hooks are replaced so the
 host-side logic (padding, buckets, slots, copies) runs on CPU, and "replay" re-runs the captured
 body eagerly on the static buffers."""
 

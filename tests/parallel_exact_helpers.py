@@ -29,7 +29,7 @@ def greedy_steps(runner, prompts=PROMPTS, steps: int = DECODE_STEPS):
     """Prefill ``prompts`` in one step, then ``steps`` greedy decode steps of all of them.
 
     Returns (logits per step as float32 CPU tensors [len(prompts), vocab], tokens per step)."""
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     tables = _tables()
     lens = [len(p) for p in prompts]
@@ -47,8 +47,9 @@ def greedy_steps(runner, prompts=PROMPTS, steps: int = DECODE_STEPS):
 
 
 def _runner(model_dir: str, dtype: str, pc=None, max_num_tokens: int = 64):
-    from kvpilot.config import KvCacheConfig, ModelConfig
-    from kvpilot.model_runner import ModelRunner
+    from kvpilot.config import KvCacheConfig
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.model_runner import ModelRunner
 
     return ModelRunner(Path(model_dir), ModelConfig.from_dir(Path(model_dir)),
                        KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512), max_num_tokens=max_num_tokens,
@@ -101,7 +102,7 @@ def tp_reduce_rank(rank: int, init_method: str, model_dir: str, conn) -> None:
     "down_bias": its down_proj bias of layer 0}."""
     import torch.distributed as dist
 
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     try:
         torch.set_num_threads(1)  # the single-process reference and the ranks use the same CPU kernels
@@ -143,8 +144,8 @@ def pp_padding_rank(rank: int, spec, buckets: list[int], plans: list, conn) -> N
     import torch.distributed as dist
 
     from graph_helpers import cpu_graph_class
-    from kvpilot.cuda_graphs import PrefillGraphs
-    from kvpilot.parallel_worker import Worker
+    from kvpilot.runner.cuda_graphs import PrefillGraphs
+    from kvpilot.parallel.worker import Worker
 
     try:
         torch.set_num_threads(1)

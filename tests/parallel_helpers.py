@@ -78,7 +78,7 @@ def lws_worker_pod(tmp_path, model_dir, monkeypatch, tp: int = 1, pp: int = 2):
 
     env = {"LWS_LEADER_ADDRESS": "127.0.0.1", "LWS_GROUP_SIZE": "2", "MASTER_PORT": str(free_port())}
     worker = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvpilot.parallel import run_lws_worker; "
+        [sys.executable, "-c", "import sys; from kvpilot.parallel.executor import run_lws_worker; "
          f"sys.exit(run_lws_worker({str(model_dir)!r}, tensor_parallel_size={tp}, "
          f"pipeline_parallel_size={pp}, device='cpu'))"],
         cwd=str(tmp_path), env={**os.environ, **env, "LWS_WORKER_INDEX": "1"},

@@ -24,9 +24,9 @@ def stage_graph_rank(rank: int, spec, plans: list, conn) -> None:
     descriptors that die with this process."""
     import torch.distributed as dist
 
-    import kvpilot.cuda_graphs as cg
-    from kvpilot.cuda_graphs import DecodeGraphs
-    from kvpilot.parallel_worker import Worker
+    import kvpilot.runner.cuda_graphs as cg
+    from kvpilot.runner.cuda_graphs import DecodeGraphs
+    from kvpilot.parallel.worker import Worker
 
     try:
         cg._CONTEXT_BUCKETS = (64, 128)  # with the doubles' 4 SMs: batches 1 and 2 get three buckets

@@ -47,7 +47,7 @@ SPEC = {
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Three ``kvpilot serve`` processes on CPU, each with a 23-block x 16-token KV pool."""
-    from kvpilot.convert_llama2c import ensure_stories260k
+    from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     model = ensure_stories260k()
     old = os.environ.get("KVPILOT_CPU_KVCACHE_GB")

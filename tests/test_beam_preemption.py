@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, RequestTooLargeError, SamplingParams
-from kvpilot.kv_cache_manager import KVCacheManager
-from kvpilot.scheduler import Scheduler
-from kvpilot.sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.kv_cache_manager import KVCacheManager
+from kvpilot.core.scheduler import Scheduler
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
 from test_sampling_beam import PROMPTS, _check, _hf_beams, tiny  # noqa: F401 (tiny: the model fixture)
 

@@ -1,4 +1,4 @@
-"""A preempted beam request is re-admitted with its beams sharing blocks again (engine/scheduler.py).
+"""A preempted beam request is re-admitted with its beams sharing blocks again (engine/core/scheduler.py).
 
 Before this, re-admitted beams each got their own copy of every block (shared only through the
 prefix cache, if it still held them), so a beam request that ran in the pool could fail with
@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.beam_search import BeamSearch
-from kvpilot.sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.beam_search import BeamSearch
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
 from test_beam_preemption import _alone, _drive, _llm, _prefix_keys, _same_tokens, _SimEngine
 from test_sampling_beam import tiny  # noqa: F401 (tiny: the model fixture)

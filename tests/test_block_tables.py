@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from kvpilot.block_tables import HostBlockTables
-from kvpilot.kv_cache_manager import KVCacheManager
-from kvpilot.model_runner import ScheduledSeq
+from kvpilot.runner.block_tables import HostBlockTables
+from kvpilot.core.kv_cache_manager import KVCacheManager
+from kvpilot.runner.model_runner import ScheduledSeq
 
 
 @dataclass
@@ -171,7 +171,7 @@ def test_decode_graph_buffers_across_steps_on_cpu(tmp_path):
     from engine_helpers import make_tiny_llama
     from graph_helpers import cpu_graph_class
     from kvpilot import LLM, KvCacheConfig
-    from kvpilot.cuda_graphs import DecodeGraphs
+    from kvpilot.runner.cuda_graphs import DecodeGraphs
 
     B = 4
     path = make_tiny_llama(tmp_path / "m", seed=5, layers=1)
@@ -202,8 +202,8 @@ def test_scheduler_running_list_after_finishes_and_preemptions():
     waiting sequence leaves the queue."""
     from kvpilot import SamplingParams
     from kvpilot.outputs import RequestOutput
-    from kvpilot.scheduler import Scheduler
-    from kvpilot.sequence import Request, Sequence, SequenceStatus
+    from kvpilot.core.scheduler import Scheduler
+    from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
     kv = KVCacheManager(num_blocks=12, tokens_per_block=4, enable_block_reuse=False)
     sched = Scheduler(kv, max_num_tokens=64, max_batch_size=8)

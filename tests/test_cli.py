@@ -26,7 +26,7 @@ def test_no_command_prints_help(capsys):
 
 
 def test_serve_on_a_leaderworkerset_worker_runs_ranks_not_http(monkeypatch, stories_model_dir):
-    import kvpilot.parallel as parallel
+    import kvpilot.parallel.executor as parallel
 
     calls = {}
 

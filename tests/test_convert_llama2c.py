@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kvpilot.convert_llama2c import (
+from kvpilot.tools.convert_llama2c import (
     convert_llama2c,
     ensure_stories260k,
     read_llama2c_checkpoint,

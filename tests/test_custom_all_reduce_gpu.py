@@ -1,4 +1,4 @@
-"""The one-shot all-reduce (kernels/allreduce.py, engine/custom_all_reduce.py) on two GPUs.
+"""The one-shot all-reduce (kernels/allreduce.py, engine/parallel/custom_all_reduce.py) on two GPUs.
 
 - Kernel: two processes, NCCL beside it. For 1..64 tokens of Llama-3.1-8B's hidden size in bf16 and
   float32, eagerly and inside a CUDA graph of 65 call sites replayed with fresh inputs, the one-shot
@@ -31,7 +31,7 @@ HIDDEN, SITES = 4096, 65
 
 def _kernel_rank(rank: int, port: int, q) -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    from kvpilot.custom_all_reduce import CustomAllReduce
+    from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

@@ -13,8 +13,8 @@ import pytest
 
 from engine_helpers import GOLDEN
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
-from kvpilot.detokenizer import hold_back_len
-from kvpilot.engine_core import async_output_enabled
+from kvpilot.core.detokenizer import hold_back_len
+from kvpilot.core.engine_core import async_output_enabled
 
 GREEDY_LONG = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 

@@ -17,11 +17,11 @@ import torch
 from engine_helpers import GOLDEN, make_tiny_llama
 from test_engine_async_output import _choice, _close
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
-from kvpilot.engine_core import async_scheduling_enabled
-from kvpilot.kv_cache_manager import KVCacheManager
-from kvpilot.sampler import Sampler, SamplingRow
-from kvpilot.scheduler import Scheduler
-from kvpilot.sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.engine_core import async_scheduling_enabled
+from kvpilot.core.kv_cache_manager import KVCacheManager
+from kvpilot.sampling.sampler import Sampler, SamplingRow
+from kvpilot.core.scheduler import Scheduler
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
 
 @pytest.fixture(autouse=True)
@@ -350,7 +350,7 @@ def _tiny_with_cpu_graphs(path):
     """The tiny random Llama with the CUDA-graph sets' CPU doubles: decode steps replay into a
     static logits buffer that the next replay overwrites, as on a GPU."""
     from graph_helpers import cpu_graph_class
-    from kvpilot.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
+    from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 
     llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", max_batch_size=6, max_num_tokens=64,
               max_seq_len=256, kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=2048))

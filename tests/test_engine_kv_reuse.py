@@ -9,9 +9,9 @@ import pytest
 
 from engine_helpers import GOLDEN
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.kv_cache_manager import KVCacheManager
+from kvpilot.core.kv_cache_manager import KVCacheManager
 from kvpilot.sampling_params import SamplingParams as SP
-from kvpilot.sequence import Request, Sequence
+from kvpilot.core.sequence import Request, Sequence
 
 PROMPTS = ["", "Once upon a time", "The little dog ran", "Tom and Sue went to the park. They", "She was sad"]
 
@@ -114,7 +114,7 @@ def test_random_aborts_leave_no_blocks(stories_model_dir):
 
 
 def test_hash_collision_never_returns_wrong_blocks(monkeypatch):
-    import kvpilot.kv_cache_manager as kvm
+    import kvpilot.core.kv_cache_manager as kvm
 
     monkeypatch.setattr(kvm, "hash_block", lambda parent, tokens, extra=b"": b"same-hash-for-all")
     kv = KVCacheManager(num_blocks=8, tokens_per_block=2)

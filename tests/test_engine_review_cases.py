@@ -104,7 +104,7 @@ def test_shutdown_then_submit_fails_fast(stories_model_dir):
 def test_sliding_window_models_are_refused(tmp_path):
     import json
 
-    from kvpilot.config import ModelConfig
+    from kvpilot.model.config import ModelConfig
 
     cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
            "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 4096}
@@ -119,7 +119,7 @@ def test_sliding_window_models_are_refused(tmp_path):
 def test_penalty_history_cached_on_a_reused_row_matches_a_fresh_row():
     import torch
 
-    from kvpilot.sampler import SamplingRow, apply_penalties_and_masks
+    from kvpilot.sampling.sampler import SamplingRow, apply_penalties_and_masks
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 50, generator=g)
@@ -166,7 +166,7 @@ def test_aborted_non_streaming_request_keeps_what_it_generated(llm):
 def test_penalty_history_follows_the_logits_device():
     import torch
 
-    from kvpilot.sampler import SamplingRow
+    from kvpilot.sampling.sampler import SamplingRow
 
     r = SamplingRow(repetition_penalty=1.3, prompt_token_ids=[1, 2, 3], output_token_ids=[4])
     r._prompt_t = torch.tensor([1, 2, 3], device="meta")  # left by an earlier step on another device
@@ -177,9 +177,9 @@ def test_penalty_history_follows_the_logits_device():
 
 
 def test_abort_never_sends_text_held_back_for_a_stop_string(llm):
-    from kvpilot.detokenizer import hold_back_len
+    from kvpilot.core.detokenizer import hold_back_len
     from kvpilot.sampling_params import SamplingParams as SP
-    from kvpilot.sequence import Request, Sequence
+    from kvpilot.core.sequence import Request, Sequence
     from kvpilot.outputs import RequestOutput
 
     core = llm._core

@@ -36,7 +36,7 @@ def V():
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_shard_shapes_are_the_engine_modules_weights(V, tp):
-    from kvpilot import llama
+    from kvpilot.model import llama
 
     cfg = V.D.model_config(1)
     pc = llama.ParallelContext(tp_rank=0, tp_size=tp)

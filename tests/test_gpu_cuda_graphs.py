@@ -10,7 +10,7 @@ import torch
 from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
 from graph_helpers import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.model_runner import ScheduledSeq
+from kvpilot.runner.model_runner import ScheduledSeq
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -129,8 +129,8 @@ def test_random_checkpoint_matches_transformers_on_gpu(tiny_dir):
 
 @pytest.mark.parametrize("lm_head_in_graph", [True, False])
 def test_decode_graph_host_logic_on_cpu(tiny_dir, lm_head_in_graph, monkeypatch):
-    import kvpilot.cuda_graphs as cg
-    from kvpilot.cuda_graphs import DecodeGraphs
+    import kvpilot.runner.cuda_graphs as cg
+    from kvpilot.runner.cuda_graphs import DecodeGraphs
 
     monkeypatch.setattr(cg, "_CONTEXT_BUCKETS", (64, 128))
     with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cpu", max_batch_size=20, max_seq_len=256,

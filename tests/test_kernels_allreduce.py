@@ -137,9 +137,9 @@ def test_two_processes_run_the_protocol():
 
 
 def test_every_row_parallel_site_has_its_own_number():
-    from kvpilot.config import ModelConfig
-    from kvpilot.llama import LlamaForCausalLM, ParallelContext
-    from kvpilot.parallel_worker import all_reduce_sites
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.model.llama import LlamaForCausalLM, ParallelContext
+    from kvpilot.parallel.worker import all_reduce_sites
 
     for layer_range, tie in (((0, 3), False), ((1, 3), True), ((1, 3), False)):
         cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
@@ -169,10 +169,10 @@ class _FakeOneShot:
 
 
 def test_parallel_context_routes_small_reductions_to_the_one_shot_kernel(monkeypatch):
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     nccl = []
-    monkeypatch.setattr("kvpilot.llama.dist.all_reduce", lambda x, group=None: nccl.append(x.numel()))
+    monkeypatch.setattr("kvpilot.model.llama.dist.all_reduce", lambda x, group=None: nccl.append(x.numel()))
     pc = ParallelContext(0, 2, None, custom_all_reduce=_FakeOneShot(8))
     a = torch.ones(2, 4)
     assert pc.all_reduce(a, site=3) is a and torch.equal(a, torch.full((2, 4), 2.0))
@@ -188,7 +188,7 @@ def test_parallel_context_routes_small_reductions_to_the_one_shot_kernel(monkeyp
 
 
 def test_create_declines_without_two_cuda_ranks(monkeypatch):
-    from kvpilot.custom_all_reduce import CustomAllReduce, custom_all_reduce_max_tokens
+    from kvpilot.parallel.custom_all_reduce import CustomAllReduce, custom_all_reduce_max_tokens
 
     assert CustomAllReduce.create(None, 0, 2, torch.device("cpu"), 5, 32) is None
     assert CustomAllReduce.create(None, 0, 4, torch.device("cuda", 0), 5, 32) is None

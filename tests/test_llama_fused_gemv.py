@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from kvpilot import KvCacheConfig
-from kvpilot import llama
-from kvpilot.config import ModelConfig
+from kvpilot.model import llama
+from kvpilot.model.config import ModelConfig
 from kvpilot.kernels import gemv as G
-from kvpilot.model_runner import ModelRunner, ScheduledSeq
+from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()

@@ -11,7 +11,7 @@ import pytest
 
 from engine_helpers import GOLDEN
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.model_runner import ModelRunner, warm_up_enabled
+from kvpilot.runner.model_runner import ModelRunner, warm_up_enabled
 
 
 def _greedy(llm: LLM, n: int = 60) -> str:

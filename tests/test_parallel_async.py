@@ -17,7 +17,7 @@ from test_engine_async_output import _choice
 from test_engine_async_scheduling import _FILTERED, _MIX, _PENALTIES, _assert_same, _drain, _minus_ones
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.parallel import tp_async_enabled
+from kvpilot.parallel.executor import tp_async_enabled
 
 pytestmark = pytest.mark.timeout(300)
 

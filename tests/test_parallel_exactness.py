@@ -23,9 +23,10 @@ import torch
 from graph_helpers import cpu_graph_class
 from parallel_exact_helpers import BLOCK, DECODE_STEPS, PROMPTS, pp_padding_rank, spawn_ranks, tp_reduce_rank
 from test_llama_fused_gemv import _checkpoint
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.cuda_graphs import PrefillGraphs
-from kvpilot.model_runner import ModelRunner, ScheduledSeq, prefill_padding
+from kvpilot.config import KvCacheConfig
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.cuda_graphs import PrefillGraphs
+from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq, prefill_padding
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -113,11 +114,11 @@ def test_tp2_float32_model_adds_the_bias_once(tp_results, biased_model):
 
 
 def test_reduce_switch_is_read_once_at_construction(plain_model, monkeypatch):
-    from kvpilot import llama
+    from kvpilot.model import llama
 
     cfg = ModelConfig.from_dir(plain_model)
     monkeypatch.delenv("KVPILOT_TP_REDUCE_FP32", raising=False)
-    assert not llama.tp_reduce_fp32_enabled()  # off by default (engine/llama.py: measured gain small)
+    assert not llama.tp_reduce_fp32_enabled()  # off by default (engine/model/llama.py: measured gain small)
     for value, want in (("0", False), ("false", False), ("1", True)):
         monkeypatch.setenv("KVPILOT_TP_REDUCE_FP32", value)
         with torch.device("meta"):
@@ -129,7 +130,7 @@ def test_reduce_switch_is_read_once_at_construction(plain_model, monkeypatch):
 
 def test_row_parallel_with_one_rank_is_the_plain_projection():
     from kvpilot.kernels import gemv as KG
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     torch.manual_seed(0)
     x = torch.randn(5, 32).bfloat16()
@@ -227,7 +228,7 @@ def _pp_plans() -> list[list[ScheduledSeq]]:
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_pp2_padded_prefill_matches_single_process_prefill_graphs(plain_model, dtype):
-    from kvpilot.parallel import make_worker_spec
+    from kvpilot.parallel.executor import make_worker_spec
 
     spec = make_worker_spec(plain_model, ModelConfig.from_dir(plain_model), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512),
                             MAX_TOKENS, MAX_BS, MAX_SEQ, "cpu", dtype, 1, 2, None)

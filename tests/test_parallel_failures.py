@@ -13,7 +13,7 @@ import pytest
 from parallel_helpers import lws_worker_pod, run_tiny_workload
 
 from kvpilot import LLM, EngineDeadError, RequestError, SamplingParams
-from kvpilot.model_runner import ScheduledSeq
+from kvpilot.runner.model_runner import ScheduledSeq
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

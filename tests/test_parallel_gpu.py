@@ -55,7 +55,7 @@ def _run(model_dir, tp, pp, monkeypatch, env):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_event_answer_matches_synchronized_answer(model_dir, monkeypatch, tp, pp):
-    from kvpilot.parallel_worker import LOGITS_EVENT, LOGITS_SYNC
+    from kvpilot.parallel.worker import LOGITS_EVENT, LOGITS_SYNC
 
     new = _run(model_dir, tp, pp, monkeypatch, {"KVPILOT_STEP_TIMING": "1"})
     old = _run(model_dir, tp, pp, monkeypatch, {"KVPILOT_LOGITS_EVENT": "0", "KVPILOT_PIPE_SPIN_US": "0"})

@@ -23,10 +23,10 @@ import torch
 from engine_helpers import GOLDEN
 
 from kvpilot import LLM, EngineDeadError, KvCacheConfig, RequestAborted, SamplingParams
-from kvpilot.model_runner import ScheduledSeq
-from kvpilot.parallel_worker import MSG_IDS, RowDecoder, RowEncoder, Worker
-from kvpilot.sampler import Sampler
-from kvpilot.sampler_inputs import RECORD, SamplingRow
+from kvpilot.runner.model_runner import ScheduledSeq
+from kvpilot.parallel.worker import MSG_IDS, RowDecoder, RowEncoder, Worker
+from kvpilot.sampling.sampler import Sampler
+from kvpilot.sampling.sampler_inputs import RECORD, SamplingRow
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,9 +19,10 @@ import torch
 
 from engine_helpers import make_tiny_llama
 from graph_helpers import cpu_graph_class
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.cuda_graphs import DecodeGraphs
-from kvpilot.model_runner import ModelRunner, ScheduledSeq
+from kvpilot.config import KvCacheConfig
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.cuda_graphs import DecodeGraphs
+from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq
 
 BLOCK = 8
 MAX_BS = 6  # graph batch sizes 1, 2, 4, 6
@@ -69,7 +70,7 @@ def _runner(model_dir: Path, layer_range=None) -> ModelRunner:
 
 @pytest.mark.parametrize("lm_head_in_graph", [True, False])
 def test_chained_stage_graphs_match_whole_model(model_dir, lm_head_in_graph, monkeypatch):
-    import kvpilot.cuda_graphs as cg
+    import kvpilot.runner.cuda_graphs as cg
 
     monkeypatch.setattr(cg, "_CONTEXT_BUCKETS", (64, 128))
     whole = _runner(model_dir)
@@ -134,8 +135,8 @@ _REPLAYS = [1, 3, 2, 2, 2, 3]
 
 
 def test_pipeline_worker_stage_graphs_match_eager(model_dir):
-    from kvpilot.parallel import make_worker_spec
-    from kvpilot.parallel_worker import split_microbatches
+    from kvpilot.parallel.executor import make_worker_spec
+    from kvpilot.parallel.worker import split_microbatches
     from parallel_exact_helpers import spawn_ranks
     from stage_graph_helpers import stage_graph_rank
 
@@ -162,7 +163,7 @@ def test_pipeline_worker_stage_graphs_match_eager(model_dir):
 
 
 def test_rank_graphs_enabled(monkeypatch):
-    from kvpilot.parallel_worker import rank_graphs_enabled
+    from kvpilot.parallel.worker import rank_graphs_enabled
 
     for k in ("KVPILOT_CUDA_GRAPHS", "KVPILOT_TP_CUDA_GRAPHS", "KVPILOT_PP_CUDA_GRAPHS"):
         monkeypatch.delenv(k, raising=False)

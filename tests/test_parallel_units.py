@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.model_runner import ScheduledSeq
-from kvpilot.parallel import LwsGroup, make_worker_spec, validate_layout
-from kvpilot.parallel_worker import split_microbatches, stage_layers
+from kvpilot.config import KvCacheConfig
+
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.model_runner import ScheduledSeq
+from kvpilot.parallel.executor import LwsGroup, make_worker_spec, validate_layout
+from kvpilot.parallel.worker import split_microbatches, stage_layers
 
 
 def test_stage_layers_contiguous_and_uneven():
@@ -89,7 +91,7 @@ def _roundtrip(enc, dec, plan):
 
 
 def test_plan_encoding_sends_block_table_deltas_and_keeps_worker_lists():
-    from kvpilot.parallel_worker import PlanDecoder, PlanEncoder
+    from kvpilot.parallel.worker import PlanDecoder, PlanEncoder
 
     enc, dec = PlanEncoder(), PlanDecoder()
     a, b = [3, 4], [9]
@@ -121,8 +123,8 @@ def test_plan_encoding_sends_block_table_deltas_and_keeps_worker_lists():
 def test_step_timer_summary_matches_statistics():
     import statistics
 
-    from kvpilot.parallel import format_step_timing
-    from kvpilot.parallel_worker import StepTimer
+    from kvpilot.parallel.executor import format_step_timing
+    from kvpilot.parallel.worker import StepTimer
 
     t = StepTimer(keep=3)
     for x in (0.001, 0.004, 0.002, 0.010):

@@ -14,8 +14,8 @@ import torch
 from engine_helpers import make_tiny_llama
 from graph_helpers import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig
-from kvpilot.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all, default_token_buckets
-from kvpilot.model_runner import ScheduledSeq
+from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all, default_token_buckets
+from kvpilot.runner.model_runner import ScheduledSeq
 
 BLOCK = 8
 
@@ -144,7 +144,7 @@ def test_capture_all_falls_back_when_prefill_capture_fails(llm, caplog):
             raise RuntimeError("capture failed")
 
     Decode = cpu_graph_class(DecodeGraphs)
-    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="kvpilot.cuda_graphs"):
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="kvpilot.runner.cuda_graphs"):
         dg, pg = capture_all(runner, decode_cls=Decode, prefill_cls=Broken)
         assert pg is None and isinstance(dg, Decode) and dg.graphs
         assert "prefill CUDA graph capture failed" in caplog.text

@@ -1,4 +1,4 @@
-"""Review session 10: set-up of the one-shot tensor-parallel all-reduce (engine/custom_all_reduce.py).
+"""Review session 10: set-up of the one-shot tensor-parallel all-reduce (engine/parallel/custom_all_reduce.py).
 
 `CustomAllReduce.create` must leave both ranks of a TP-2 group together, with buffers or with NCCL,
 and never make a collective its peer does not make. Two CPU processes (gloo) run it against fakes
@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, q) -> None:
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    from kvpilot.custom_all_reduce import CustomAllReduce
+    from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
     for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "KVPILOT_TP_CUSTOM_ALLREDUCE"):
         os.environ.pop(k, None)

@@ -1,4 +1,4 @@
-"""Review session 10 on two GPUs: `CustomAllReduce.create`'s agreement steps (engine/custom_all_reduce.py)
+"""Review session 10 on two GPUs: `CustomAllReduce.create`'s agreement steps (engine/parallel/custom_all_reduce.py)
 with NCCL and PyTorch's real symmetric memory.
 
 Two processes, one GPU each:
@@ -39,7 +39,7 @@ def _next_all_reduce(rank: int, group, dev) -> int:
 def _rank(rank: int, port: int, q) -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # this workplace's rule, whatever the engine does
     os.environ.pop("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", None)
-    from kvpilot.custom_all_reduce import CustomAllReduce
+    from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)

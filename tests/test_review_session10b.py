@@ -58,7 +58,7 @@ class _StandInWorker:
 def _rank(rank: int, ports: list, q) -> None:
     import multiprocessing
 
-    import kvpilot.parallel_worker as W
+    import kvpilot.parallel.worker as W
 
     W.Worker = _StandInWorker
     W._serve = lambda worker, conn: None  # start-up only
@@ -102,7 +102,7 @@ def test_ready_message_reports_the_one_shot_all_reduce_of_every_rank_not_only_pi
 # ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
 
 def _cfg():
-    from kvpilot.config import ModelConfig
+    from kvpilot.model.config import ModelConfig
 
     return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-5,
@@ -112,7 +112,7 @@ def _cfg():
 
 def _spec(tp: int, pp: int, device: str, pods: int = 1):
     from kvpilot.config import KvCacheConfig
-    from kvpilot.parallel import LwsGroup, make_worker_spec
+    from kvpilot.parallel.executor import LwsGroup, make_worker_spec
 
     group = LwsGroup("10.0.0.1", pods, 0, 29500) if pods > 1 else None
     return make_worker_spec(Path("/nonexistent"), _cfg(), KvCacheConfig(), 64, 4, 128, device, "float32",

@@ -1,4 +1,4 @@
-"""Review session 11: tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``, engine/tp_invariant.py).
+"""Review session 11: tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``, engine/model/tp_invariant.py).
 
 - A tied model whose stage holds both ends held the vocabulary matrix twice with several shards per
   rank (the embedding plus copies in the LM head shards: +0.5 GB on one GPU for Llama-3.2-1B with
@@ -6,7 +6,7 @@
   (`tp_invariant.InvariantTiedEmbedding`): the parameters are the default model's plus padding rows,
   and the lookup is bit for bit the default embedding's, on one rank and summed over two.
 - A bad ``T`` with parallel workers failed only inside every worker, after they started.
-  `tp_invariant.check_tp_invariant` is the check a front end runs first (engine/parallel.py's
+  `tp_invariant.check_tp_invariant` is the check a front end runs first (engine/parallel/executor.py's
   `validate_layout` is to call it); meanwhile the start fails fast with the worker's message.
 - A vocabulary smaller than ``(T - 1) * ceil(V / T)`` (a last shard with no row at all) failed to load
   (``weights.load_weights``: a negative row count; also the default TP-``T`` embedding).
@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from tp_invariant_helpers import make_gqa_llama
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.model_runner import ModelRunner
+from kvpilot.config import KvCacheConfig
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,7 +43,7 @@ def _runner(model_dir: Path, value, dtype: str = "bfloat16", tp_rank: int = 0, t
             monkeypatch=None) -> ModelRunner:
     """A CPU runner built with ``KVPILOT_TP_INVARIANT=value`` (None: unset); building and loading a
     tensor-parallel rank needs no process group."""
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     _set_invariant(monkeypatch, value)
     pc = None if tp_size == 1 else ParallelContext(tp_rank, tp_size, None)
@@ -63,7 +64,7 @@ def tied_model(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("value", ["2", "4"])
 def test_tied_embedding_reads_the_lm_head_shards(monkeypatch, tied_model, value):
-    from kvpilot.tp_invariant import InvariantTiedEmbedding
+    from kvpilot.model.tp_invariant import InvariantTiedEmbedding
 
     base = _runner(tied_model, None, monkeypatch=monkeypatch).model
     inv = _runner(tied_model, value, monkeypatch=monkeypatch).model
@@ -82,7 +83,7 @@ def test_tied_embedding_reads_the_lm_head_shards(monkeypatch, tied_model, value)
 def test_tied_embedding_over_two_ranks_sums_to_the_rows(monkeypatch, tied_model):
     """TP 2 with T = 4 (two shards per rank): each rank's lookup holds its shards' rows and zeros
     elsewhere, as `VocabParallelEmbedding`'s does; their sum (the all-reduce) is every row exactly."""
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     base = _runner(tied_model, None, monkeypatch=monkeypatch).model
     ranks = [_runner(tied_model, "4", tp_rank=r, tp_size=2, monkeypatch=monkeypatch).model for r in (0, 1)]
@@ -104,7 +105,7 @@ def test_tied_embedding_over_two_ranks_sums_to_the_rows(monkeypatch, tied_model)
 
 @pytest.mark.parametrize("value,tp,want", [(None, 2, 0), ("0", 4, 0), ("4", 2, 4), ("4", 4, 4), ("2", 1, 2)])
 def test_check_tp_invariant_accepts(monkeypatch, tied_model, value, tp, want):
-    from kvpilot.tp_invariant import check_tp_invariant
+    from kvpilot.model.tp_invariant import check_tp_invariant
 
     _set_invariant(monkeypatch, value)
     assert check_tp_invariant(ModelConfig.from_dir(tied_model), tp) == want
@@ -119,7 +120,7 @@ def test_check_tp_invariant_accepts(monkeypatch, tied_model, value, tp, want):
     ("6", 2, "must divide num_attention_heads 8"),
 ])
 def test_check_tp_invariant_rejects(monkeypatch, tied_model, value, tp, match):
-    from kvpilot.tp_invariant import check_tp_invariant
+    from kvpilot.model.tp_invariant import check_tp_invariant
 
     _set_invariant(monkeypatch, value)
     with pytest.raises(ValueError, match=match):
@@ -152,7 +153,7 @@ def test_vocab_with_an_empty_last_shard_loads(monkeypatch, tmp_path):
     base = _runner(path, None, "float32", monkeypatch=monkeypatch)
     last = _runner(path, None, "float32", tp_rank=3, tp_size=4, monkeypatch=monkeypatch).model
     assert last.embed_tokens.weight.abs().sum() == 0 and last.lm_head.abs().sum() == 0
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     with torch.inference_mode():
         got = [r.execute([ScheduledSeq(0, [1, 3, 4, 0, 2], 0, [0], True, all_logits=True)])[0] for r in (inv, base)]
@@ -211,7 +212,7 @@ def _invariant_agreement_rank(rank: int, port: int, sizes: list, out) -> None:
 
     import torch.distributed as dist
 
-    from kvpilot.parallel_worker import check_same_invariant_size
+    from kvpilot.parallel.worker import check_same_invariant_size
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -41,8 +41,8 @@ from test_review_session9 import _build, _script, _shutdown
 
 from kvpilot import LLM, EngineDeadError, KvCacheConfig, SamplingParams
 from kvpilot.outputs import RequestError
-from kvpilot.parallel_worker import RowDecoder, RowEncoder
-from kvpilot.sampler_inputs import SamplingRow
+from kvpilot.parallel.worker import RowDecoder, RowEncoder
+from kvpilot.sampling.sampler_inputs import SamplingRow
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,8 +59,8 @@ def _sp(m: int, seed: int, **kw) -> SamplingParams:
 def test_docs_describe_sampled_own_steps_and_the_switch():
     """docs/parallelism.md's ``SYNC_SELF`` item covers the sampled steps and the switch, and every
     name it cites exists; the README lists the switch with the others."""
-    from kvpilot import engine_core
-    from kvpilot.parallel_worker import Worker
+    from kvpilot.core import engine_core
+    from kvpilot.parallel.worker import Worker
 
     doc = (ROOT / "docs" / "parallelism.md").read_text()
     item = doc[doc.index("- `SYNC_SELF`"):doc.index("- `SYNC_GO`")]
@@ -265,7 +265,7 @@ def test_a_sampler_failing_in_the_output_ranks_read_stops_the_engine(stories_mod
     (tmp_path / "sitecustomize.py").write_text(
         "import os\n"
         "if os.environ.get('R11B_FAIL_READ'):\n"
-        "    import kvpilot.sampler as s\n"
+        "    import kvpilot.sampling.sampler as s\n"
         "    real, calls = s._Pending.finish, [0]\n"
         "    def finish(self):\n"
         "        calls[0] += 1\n"

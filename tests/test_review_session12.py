@@ -1,5 +1,5 @@
 """Fresh-eyes review of the twelfth session (ff5fd32..4fef599): the greedy rows' Triton arg-max
-(`kvpilot.kernels.sampling.argmax`, `kvpilot.sampler.greedy_ids`), the "tma" GEMV kind
+(`kvpilot.kernels.sampling.argmax`, `kvpilot.sampling.sampler.greedy_ids`), the "tma" GEMV kind
 (kernels/gemv.py) and the PDL checker's ``cvta`` exemption (tests/pdl_order_check.py).
 
 Findings (each has a test here that fails on the reviewed tree and passes with the fix):
@@ -52,7 +52,7 @@ import torch
 
 from kvpilot.kernels import gemv as G
 from kvpilot.kernels import sampling as KS
-from kvpilot.sampler import Sampler, SamplingRow, greedy_ids
+from kvpilot.sampling.sampler import Sampler, SamplingRow, greedy_ids
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
@@ -397,7 +397,7 @@ def test_sampler_kernels_refuse_vocabularies_past_their_grid_and_the_sampler_tak
     """`draw`, `raw_logprobs` and `apply_penalties` launch one program per 4,096-column chunk on the
     grid's second dimension (at most 65,535) and reduce every chunk's partial in one program: past
     ``MAX_VOCAB`` they raise ValueError, and the "auto" sampler takes its PyTorch path instead."""
-    from kvpilot.sampler import Sampler
+    from kvpilot.sampling.sampler import Sampler
 
     V = KS.MAX_VOCAB + 1
     meta = torch.empty(2, V, device="meta")

@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from kvpilot.logits_processors import apply_penalties_and_masks, token_counts
-from kvpilot.sampler import Sampler, SamplingRow
+from kvpilot.sampling.logits_processors import apply_penalties_and_masks, token_counts
+from kvpilot.sampling.sampler import Sampler, SamplingRow
 
 
 def _penalized(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_a_failed_call_recounts_its_rows_in_the_slots_they_hold(monkeypatch):
     scratch by dropping their slot record, which left each old slot owned by the live row (4 * V
     bytes per row and failure, e.g. every penalised row of a batch `EngineCore._sample_rows_apart`
     retries). The rows must recount in their own slots, with the right values."""
-    from kvpilot import sampler_inputs
+    from kvpilot.sampling import sampler_inputs
 
     V = 37
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(11)) * 3

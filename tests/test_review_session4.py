@@ -166,7 +166,7 @@ class _Proc:
 
 def _front_end(event, procs, conns, timeout=30.0):
     """A `MultiprocExecutor` with only what `_await_logits_event` reads (no workers started)."""
-    from kvpilot.parallel import MultiprocExecutor
+    from kvpilot.parallel.executor import MultiprocExecutor
 
     ex = MultiprocExecutor.__new__(MultiprocExecutor)
     ex._logits_events = [event, event]
@@ -224,7 +224,7 @@ def test_logits_event_wait_reports_a_worker_error_message():
     """An error a worker sends while the step runs (its traceback) ends the wait with that text."""
     import multiprocessing as mp
 
-    from kvpilot.parallel_worker import MSG_ERROR
+    from kvpilot.parallel.worker import MSG_ERROR
 
     r, w = mp.Pipe(duplex=False)
     sentinel_r, sentinel_w = os.pipe()
@@ -271,7 +271,7 @@ def test_logits_event_wait_keeps_an_answer_that_runs_ahead():
     for a protocol error; anything else on that pipe still ends the engine."""
     import multiprocessing as mp
 
-    from kvpilot.parallel_worker import MSG_OK
+    from kvpilot.parallel.worker import MSG_OK
 
     r, w = mp.Pipe(duplex=False)
     sentinel_r, sentinel_w = os.pipe()

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from kvpilot.llm import EngineLoop
+from kvpilot.core.engine_loop import EngineLoop
 
 
 class _Core:

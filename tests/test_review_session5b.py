@@ -10,7 +10,7 @@ on the CPU with ``KVPILOT_ASYNC_SCHEDULING=1`` and comparing with the synchronou
 - (Not from that commit; found on the way, synchronous engine too.) A beam request whose beam was
   preempted livelocked when the head of the waiting queue did not fit: its running beam recomputed
   its last token forever, waiting for siblings that could never be admitted. Fixed: a beam request's
-  sequences are preempted and admitted together (engine/scheduler.py; more cases in
+  sequences are preempted and admitted together (engine/core/scheduler.py; more cases in
   tests/test_beam_preemption.py).
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.llm import EngineLoop
+from kvpilot.core.engine_loop import EngineLoop
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 1. kernels/sampling.py: the pivot path (top-p / min-p rows), now on by default, with its states
    double-buffered per launch, min-p-only rows searching level 0 only, and a debug mode.
 2. kernels/attention.py: ``TUNING["decode"]["lazy_rescale"]`` (claimed bit-identical).
-3. engine/scheduler.py & co.: beam requests preempted and admitted all-or-nothing,
+3. engine/core/scheduler.py & co.: beam requests preempted and admitted all-or-nothing,
    `RequestTooLargeError`, `LLM` refusing a beam width above ``max_batch_size``.
 
 Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from kvpilot import RequestAborted, RequestTooLargeError, SamplingParams
-from kvpilot.sampler import Sampler, SamplingRow
-from kvpilot.sequence import SequenceStatus
+from kvpilot.sampling.sampler import Sampler, SamplingRow
+from kvpilot.core.sequence import SequenceStatus
 
 from test_beam_preemption import _drive, _llm, _SimEngine
 from test_sampling_beam import PROMPTS, tiny  # noqa: F401 (tiny: the model fixture)
@@ -148,7 +148,7 @@ def record(self, *args, grid, warmup, **kwargs):
 
 JITFunction.run = record
 from kvpilot.kernels import sampling as ks
-from kvpilot.sampler import SamplingRow, _Draw
+from kvpilot.sampling.sampler import SamplingRow, _Draw
 V = 128256
 for S in (1, 7, 16, 33, 48):  # the batch: only the row count of the logits changes
     CUR = S
@@ -374,7 +374,7 @@ def test_sim_beam_request_that_fits_alone_is_not_preempted_out_of_the_pool(reuse
     choose a lockstep request whose unshared need ``sum(blocks_needed(s.num_tokens))`` exceeds
     ``kv.num_blocks`` while another victim exists (tried: removes ~3/4 of random-workload failures,
     not all: a group re-admitted unshared can still outgrow the pool later). Seventh session: the
-    suggested fix replaced the mitigation (engine/scheduler.py `_group_plan`, `_admit_group`)."""
+    suggested fix replaced the mitigation (engine/core/scheduler.py `_group_plan`, `_admit_group`)."""
     def run(items):
         sim = _SimEngine(num_blocks=12, block_size=4, max_num_tokens=64, max_batch_size=8, reuse=reuse)
         reqs = [sim.add(rid, prompt, max_tokens, **kw) for rid, (prompt, max_tokens, kw) in enumerate(items)]

@@ -1,5 +1,5 @@
 """Seventh-session review of commit ef05b50 (re-admitted beam requests share their common full
-blocks again: engine/scheduler.py `_group_plan`, `_admit_group`, `_shared_prefix_ready`).
+blocks again: engine/core/scheduler.py `_group_plan`, `_admit_group`, `_shared_prefix_ready`).
 
 Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the fix
 is); the others pin behaviour the review checked and found right. The one defect found is older than

@@ -23,10 +23,11 @@ from graph_helpers import cpu_graph_class
 from parallel_exact_helpers import BLOCK, pp_padding_rank, spawn_ranks
 from test_llama_fused_gemv import _checkpoint
 from test_parallel_exactness import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, _runner
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
-from kvpilot.model_runner import ScheduledSeq, prefill_padding
-from kvpilot.parallel_worker import single_gpu_prefill_buckets
+from kvpilot.config import KvCacheConfig
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
+from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
+from kvpilot.parallel.worker import single_gpu_prefill_buckets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from gpu_review7b_padding import RandomSchedule  # noqa: E402
@@ -56,7 +57,7 @@ def test_pp2_microbatches_are_padded_only_where_one_gpu_pads_the_step(model_dir)
     shapes). Fix: micro-batches are padded only when one GPU would pad the whole step
     (`Worker.execute`, ``pad_ok`` of `ModelRunner.prepare`); a step that is not split is unchanged.
     The logits stay those of the single-process model (other shapes: a few fp32 ulps apart)."""
-    from kvpilot.parallel import make_worker_spec
+    from kvpilot.parallel.executor import make_worker_spec
 
     kv = KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512)
     spec = make_worker_spec(model_dir, ModelConfig.from_dir(model_dir), kv, MAX_TOKENS, MAX_BS, MAX_SEQ, "cpu",
@@ -88,7 +89,7 @@ def test_rank_buckets_are_the_single_gpu_prefill_graphs_buckets(model_dir, monke
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    from kvpilot.model_runner import cuda_graphs_enabled, prefill_graphs_enabled
+    from kvpilot.runner.model_runner import cuda_graphs_enabled, prefill_graphs_enabled
 
     got = single_gpu_prefill_buckets(MAX_TOKENS)
     if not (cuda_graphs_enabled() and prefill_graphs_enabled()):  # one GPU captures none (`ModelRunner`)
@@ -111,7 +112,7 @@ def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir,
                              prefill_cls=cpu_graph_class(PrefillGraphs))
     assert pg is None and dg is not None  # one GPU: prefill and mixed steps run eagerly
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvpilot.parallel_worker"):
+    with caplog.at_level(logging.WARNING, logger="kvpilot.parallel.worker"):
         assert single_gpu_prefill_buckets(MAX_TOKENS) is None
     assert "KVPILOT_PREFILL_GRAPH_TOKENS" in caplog.text
 

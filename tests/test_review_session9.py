@@ -144,7 +144,7 @@ def test_a_deferred_step_with_nothing_to_sample_is_still_awaited(fresh_llm, case
     sequence of step N+1 (EOS or a stop token id in the fast part; a stop string with
     ``async_output`` off), step N+1's sampling loop keeps no row (``sample_seqs`` is empty) and
     `EngineCore.step` takes the ``elif self._defers: self.executor.publish_tokens(None)`` branch
-    (engine/engine_core.py, "nothing sampled in this step"). That publishes the step but never calls
+    (engine/core/engine_core.py, "nothing sampled in this step"). That publishes the step but never calls
     `await_logits` / `await_ids` for it, although ``defer`` was True, so its entry stays in
     `MultiprocExecutor._sent` (its answer stays in the pipe). The next deferred step's
     `_await_step` pops that stale entry: an arg-max step returns the stale ids (a wrong first token
@@ -213,7 +213,7 @@ def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
     releases it deadlocks until the step timeout, then kills the engine.
 
     `step_timing` takes ``self._lock`` and waits for every rank's ("timing", ...) answer
-    (`_step_timing`, engine/parallel.py). The output rank answers from `Worker.wait_go`, but rank 1
+    (`_step_timing`, engine/parallel/executor.py). The output rank answers from `Worker.wait_go`, but rank 1
     has already started the step: it sits in the input-id broadcast (or the first all-reduce) of
     `InputSync`, waiting for rank 0, which waits for the ("go", ids) message. That message is sent by
     `publish_tokens`, which needs ``self._lock``: held by `step_timing`. Nothing moves until

@@ -1,4 +1,4 @@
-"""`kvpilot.kernels.sampling.argmax` (the greedy rows' arg-max, `kvpilot.sampler.greedy_ids`) returns
+"""`kvpilot.kernels.sampling.argmax` (the greedy rows' arg-max, `kvpilot.sampling.sampler.greedy_ids`) returns
 ``torch.argmax``'s ids: the first maximum, the first NaN of a row that has one, all -inf rows -> 0.
 
 CPU: the Triton kernels under TRITON_INTERPRET=1 with a shrunken chunk, so that rows span several
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpilot.kernels import sampling as KS
-from kvpilot.sampler import Sampler, SamplingRow, greedy_ids
+from kvpilot.sampling.sampler import Sampler, SamplingRow, greedy_ids
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")

@@ -1,4 +1,4 @@
-"""Beam search (engine/beam_search.py) equals transformers' `generate(num_beams=...)` on a tiny
+"""Beam search (engine/core/beam_search.py) equals transformers' `generate(num_beams=...)` on a tiny
 random Llama, in plain runs, mixed batches, small KV blocks and under preemption."""
 
 from __future__ import annotations

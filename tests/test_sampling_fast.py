@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from kvpilot.sampler import Sampler, SamplingRow, _Draw, top_k_top_p_min_p
+from kvpilot.sampling.sampler import Sampler, SamplingRow, _Draw, top_k_top_p_min_p
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -104,7 +104,7 @@ def test_greedy_and_plain_rows_equal_direct_formula():
             [(0.0, 1), (0.7, 2), (1.0, 3), (0.0, 4), (2.0, 5), (1.3, 6)]]
     got = Sampler("torch").choose(logits, rows)
     assert got[0] == 7 and got[3] == int(logits[3].argmax())
-    from kvpilot.sampler import gumbel_noise
+    from kvpilot.sampling.sampler import gumbel_noise
 
     for i in (1, 2, 4, 5):
         z = logits[i:i + 1] / torch.tensor([[rows[i].temperature]])

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpilot.logits_processors import TokenCounts, _penalties_torch, apply_penalties_and_masks, token_counts
-from kvpilot.sampler import Sampler, SamplingRow, _Draw, _row_keys, _row_keys_host
-from kvpilot.sampler_inputs import RECORD, Upload, records
+from kvpilot.sampling.logits_processors import TokenCounts, _penalties_torch, apply_penalties_and_masks, token_counts
+from kvpilot.sampling.sampler import Sampler, SamplingRow, _Draw, _row_keys, _row_keys_host
+from kvpilot.sampling.sampler_inputs import RECORD, Upload, records
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret_only = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
@@ -238,7 +238,7 @@ def test_count_slots_are_reused_and_cleared_and_the_pool_grows():
 def test_a_failed_call_leaves_the_counts_usable(monkeypatch):
     """A call that fails between planning the counts and applying them gives the pool's lock back
     and makes its rows count from scratch, so the next call is right."""
-    from kvpilot import sampler_inputs
+    from kvpilot.sampling import sampler_inputs
 
     V = 30
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(5))

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from kvpilot.sampler import Sampler, SamplingRow, _Draw
+from kvpilot.sampling.sampler import Sampler, SamplingRow, _Draw
 from test_sampling_fast import _kernel_draw as _draw
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

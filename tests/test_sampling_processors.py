@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from kvpilot.sampler import (
+from kvpilot.sampling.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties_and_masks,
@@ -254,7 +254,7 @@ def test_candidate_paths_equal_full_vocabulary_draw():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernel in the interpreter")
 def test_triton_noise_kernel_in_interpreter():
-    from kvpilot.sampler import _row_keys, _triton_gumbel
+    from kvpilot.sampling.sampler import _row_keys, _triton_gumbel
 
     seeds, steps = torch.tensor([3, -7, 2 ** 62]), torch.tensor([0, 9, 123456])
     ref = gumbel_noise(seeds, steps, 2100)

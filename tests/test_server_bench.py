@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from kvpilot.bench import RequestResult, configure_parser, format_summary, make_prompts, run, summarize
+from kvpilot.tools.bench import RequestResult, configure_parser, format_summary, make_prompts, run, summarize
 
 
 def test_prompts_are_deterministic():

@@ -373,7 +373,7 @@ def test_non_streaming_disconnect_aborts(server):
 # ---- the serving benchmark against this server --------------------------------------------------
 
 def test_bench_serve(server):
-    from kvpilot.bench import make_prompts, run_serve_benchmark, summarize
+    from kvpilot.tools.bench import make_prompts, run_serve_benchmark, summarize
 
     prompts = make_prompts(6, 8, seed=1)
     results, duration = asyncio.run(run_serve_benchmark(server.url, None, prompts, concurrency=3, max_tokens=12,

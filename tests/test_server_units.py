@@ -21,7 +21,7 @@ from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, De
 from kvpilot.server.sampling import chat_params, check_context, completion_params
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import SSE_DONE, sse
-from kvpilot.stats import FinishedRequestStats, IterationStats, KvCacheStats
+from kvpilot.core.stats import FinishedRequestStats, IterationStats, KvCacheStats
 
 
 def _first_error(model, body) -> APIError:

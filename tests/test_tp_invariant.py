@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/tp_invariant.py; issue 9), on CPU.
+"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py; issue 9), on CPU.
 
 Every layout computes a TP-``T`` group's decomposition, so in bf16:
 
@@ -25,8 +25,9 @@ import torch
 
 from parallel_exact_helpers import DECODE_STEPS, spawn_ranks
 from tp_invariant_helpers import invariant_rank, make_gqa_llama
-from kvpilot.config import KvCacheConfig, ModelConfig
-from kvpilot.model_runner import ModelRunner
+from kvpilot.config import KvCacheConfig
+from kvpilot.model.config import ModelConfig
+from kvpilot.runner.model_runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,14 +46,14 @@ def _set_invariant(monkeypatch, value) -> None:
 
 
 def _meta_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
-    from kvpilot.llama import LlamaForCausalLM, ParallelContext
+    from kvpilot.model.llama import LlamaForCausalLM, ParallelContext
 
     with torch.device("meta"):
         return LlamaForCausalLM(cfg, ParallelContext(tp_rank, tp_size, None))
 
 
 def _cpu_runner(model_dir: Path, dtype: str = "bfloat16", tp_rank: int = 0, tp_size: int = 1) -> ModelRunner:
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     pc = None if tp_size == 1 else ParallelContext(tp_rank, tp_size, None)  # building needs no process group
     return ModelRunner(model_dir, ModelConfig.from_dir(model_dir), KvCacheConfig(tokens_per_block=8, max_tokens=256),
@@ -64,7 +65,7 @@ def _cpu_runner(model_dir: Path, dtype: str = "bfloat16", tp_rank: int = 0, tp_s
 
 @pytest.mark.parametrize("value,want", [(None, 0), ("", 0), ("0", 0), ("1", 1), ("2", 2), (" 4 ", 4)])
 def test_switch_values(monkeypatch, value, want):
-    from kvpilot.tp_invariant import tp_invariant_size
+    from kvpilot.model.tp_invariant import tp_invariant_size
 
     _set_invariant(monkeypatch, value)
     assert tp_invariant_size() == want
@@ -109,8 +110,8 @@ def test_bad_invariant_size_fails_when_an_llm_starts(monkeypatch, gqa_model):
 
 
 def test_switch_is_read_once_and_overrides_the_fp32_reduction(monkeypatch, gqa_model):
-    from kvpilot.llama import LlamaDecoderLayer
-    from kvpilot.tp_invariant import InvariantDecoderLayer
+    from kvpilot.model.llama import LlamaDecoderLayer
+    from kvpilot.model.tp_invariant import InvariantDecoderLayer
 
     cfg = ModelConfig.from_dir(gqa_model)
     monkeypatch.setenv("KVPILOT_TP_REDUCE_FP32", "1")
@@ -139,7 +140,7 @@ def test_mode_off_is_the_default_model(monkeypatch, gqa_model):
     parameters and compute the same logits bit for bit; in float32 they are transformers' logits."""
     from transformers import LlamaForCausalLM as HFLlama
 
-    from kvpilot.llama import LlamaDecoderLayer
+    from kvpilot.model.llama import LlamaDecoderLayer
 
     cfg = ModelConfig.from_dir(gqa_model)
     shapes = None
@@ -155,7 +156,7 @@ def test_mode_off_is_the_default_model(monkeypatch, gqa_model):
     assert not any("shards" in n for n in shapes)
 
     ids = torch.tensor([1, 17, 40, 3, 99, 5, 60, 7, 8])
-    from kvpilot.model_runner import ScheduledSeq
+    from kvpilot.runner.model_runner import ScheduledSeq
 
     def prefill_logits(value, dtype):
         _set_invariant(monkeypatch, value)
@@ -222,8 +223,8 @@ def test_shards_hold_what_tp_ranks_load(monkeypatch, tmp_path, tie):
 
 
 def test_shard_sum_is_left_to_right_in_float32_rounded_once():
-    from kvpilot.llama import ParallelContext
-    from kvpilot.tp_invariant import shard_sum
+    from kvpilot.model.llama import ParallelContext
+    from kvpilot.model.tp_invariant import shard_sum
 
     g = torch.Generator().manual_seed(0)
     parts = [(torch.randn(64, 32, generator=g) * 10 ** (i % 3)).bfloat16() for i in range(4)]

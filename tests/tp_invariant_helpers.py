@@ -64,7 +64,7 @@ def invariant_rank(rank: int, init_method: str, model_dir: str, world: int, conn
     import torch.distributed as dist
 
     from parallel_exact_helpers import _send, greedy_steps
-    from kvpilot.llama import ParallelContext
+    from kvpilot.model.llama import ParallelContext
 
     try:
         torch.set_num_threads(1)  # the single-process model and the ranks use the same CPU kernels

@@ -26,12 +26,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .errors import APIError, install_handlers
-from .metrics import PrometheusStatLogger
-from .protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .serving_chat import create_chat_completion
-from .serving_completion import create_completion
-from .state import ServerState
+from kvpilot.server.errors import APIError, install_handlers
+from kvpilot.server.metrics import PrometheusStatLogger
+from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvpilot.server.serving_chat import create_chat_completion
+from kvpilot.server.serving_completion import create_completion
+from kvpilot.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

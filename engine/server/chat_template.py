@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any, Optional
 
-from .errors import APIError
-from .protocol import ChatMessage
+from kvpilot.server.errors import APIError
+from kvpilot.server.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
 

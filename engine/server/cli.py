@@ -16,10 +16,10 @@ from typing import Any, Optional
 
 import uvicorn
 
-from ..config import KV_CACHE_DTYPES
-from .app import create_app
-from .chat_template import load_chat_template
-from .state import ServerState
+from kvpilot.config import KV_CACHE_DTYPES
+from kvpilot.server.app import create_app
+from kvpilot.server.chat_template import load_chat_template
+from kvpilot.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    from .. import KvCacheConfig
+    from kvpilot import KvCacheConfig
 
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
                        enable_block_reuse=args.enable_block_reuse and not args.no_prefix_caching,
@@ -73,7 +73,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
-    from .. import LLM
+    from kvpilot import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, **_engine_kwargs(args))
 
@@ -127,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
     """Serve until drained; returns 0, or 1 if the model failed to load.
 
     On a LeaderWorkerSet worker pod (``LWS_WORKER_INDEX`` > 0) there is no HTTP server: the pod
-    runs its share of the engine's ranks until the leader stops (`kvpilot.parallel.run_lws_worker`).
+    runs its share of the engine's ranks until the leader stops (`kvpilot.parallel.executor.run_lws_worker`).
     """
-    from ..parallel import LwsGroup, run_lws_worker
+    from kvpilot.parallel.executor import LwsGroup, run_lws_worker
 
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import ErrorInfo, ErrorResponse
+from kvpilot.server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..stats import IterationStats
+from kvpilot.core.stats import IterationStats
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 from typing import Optional
 
-from ..sampling_params import SamplingParams
-from .errors import APIError
-from .protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from kvpilot.sampling_params import SamplingParams
+from kvpilot.server.errors import APIError
+from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 _FIELD_RE = re.compile(r"^([a-z_]+)")
 

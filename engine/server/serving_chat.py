@@ -15,16 +15,16 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..outputs import Logprob, RequestError, RequestOutput
-from .chat_template import render_chat
-from .errors import APIError
-from .protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
+from kvpilot.outputs import Logprob, RequestError, RequestOutput
+from kvpilot.server.chat_template import render_chat
+from kvpilot.server.errors import APIError
+from kvpilot.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogprob, ChatLogprobEntry,
                        ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
-from .sampling import chat_max_tokens, chat_params, check_context
-from .serving_completion import check_model, params_n, submit
-from .state import ServerState
-from .streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_text, until_disconnect,
+from kvpilot.server.sampling import chat_max_tokens, chat_params, check_context
+from kvpilot.server.serving_completion import check_model, params_n, submit
+from kvpilot.server.state import ServerState
+from kvpilot.server.streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_text, until_disconnect,
                         wait_all)
 
 logger = logging.getLogger(__name__)

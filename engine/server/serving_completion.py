@@ -15,14 +15,14 @@ from typing import Any, AsyncIterator, Optional, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..outputs import Logprob, RequestError, RequestOutput
-from ..sampling_params import SamplingParams
-from .errors import APIError
-from .protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+from kvpilot.outputs import Logprob, RequestError, RequestOutput
+from kvpilot.sampling_params import SamplingParams
+from kvpilot.server.errors import APIError
+from kvpilot.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
-from .sampling import check_context, completion_params
-from .state import ServerState
-from .streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_text,
+from kvpilot.server.sampling import check_context, completion_params
+from kvpilot.server.state import ServerState
+from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_text,
                         until_disconnect, wait_all)
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional
 
 from prometheus_client import CollectorRegistry
 
-from ..outputs import RequestOutput
+from kvpilot.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..outputs import Logprob, RequestAborted, RequestOutput
-from .errors import ClientDisconnected
+from kvpilot.outputs import Logprob, RequestAborted, RequestOutput
+from kvpilot.server.errors import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 

@@ -48,33 +48,18 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import kernels as K
-from .block_tables import HostBlockTables
-from .config import KvCacheConfig, ModelConfig, cpu_kv_cache_bytes
-from .llama import AttentionMetadata, LlamaForCausalLM, ParallelContext
-from .weights import load_weights
+from kvpilot import kernels as K
+from kvpilot.runner.batch import ScheduledSeq  # noqa: F401  (the runner's input record)
+from kvpilot.runner.block_tables import HostBlockTables
+from kvpilot.config import KvCacheConfig, cpu_kv_cache_bytes
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.llama import AttentionMetadata, LlamaForCausalLM, ParallelContext
+from kvpilot.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
-
-
-@dataclass
-class ScheduledSeq:
-    """One sequence's share of a step (plain data, picklable for worker processes)."""
-
-    seq_id: int
-    token_ids: list[int]  # the tokens to compute now (a prefill chunk, or the last sampled token)
-    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
-    # Block ids of the sequence. The runner mirrors it by identity: between steps a list may only
-    # grow (or shrink); any other change must pass a new list (`HostBlockTables`).
-    block_table: list[int]
-    sample: bool  # this chunk reaches the end of the sequence: produce logits for its last token
-    all_logits: bool = False  # return logits for every token of the chunk (prompt logprobs)
-    # >= 0: token_ids is one placeholder; the real id is this row of the tensor given to
-    # `ModelRunner.set_inflight_tokens` (the previous step's sampled ids, not read on the host yet).
-    inflight_row: int = -1
 
 
 def resolve_device(device: str) -> torch.device:
@@ -240,7 +225,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype
         self.num_kv_heads = model.layers[0].self_attn.num_kv_heads if len(model.layers) else 1
         # The KV-head count attention's launch decisions assume: one shard's in tensor-parallel-
-        # invariant mode (engine/tp_invariant.py), else num_kv_heads. Decode graphs' context buckets too.
+        # invariant mode (engine/model/tp_invariant.py), else num_kv_heads. Decode graphs' context buckets too.
         self.launch_kv_heads = model.layers[0].self_attn.launch_kv_heads if len(model.layers) else 1
         self.free_bytes_for_kv = 0.0
         self.profile_peak_bytes = 0
@@ -262,7 +247,7 @@ class ModelRunner:
         self.prefill_graphs = None
         single = (pc is None or pc.tp_size == 1) and model.is_first and model.is_last
         if self.device.type == "cuda" and single and cuda_graphs_enabled():
-            from .cuda_graphs import capture_all
+            from kvpilot.runner.cuda_graphs import capture_all
 
             self.graphs, self.prefill_graphs = capture_all(self, prefill=prefill_graphs_enabled())
         if self.device.type == "cuda" and single and warm_up_enabled():
@@ -511,7 +496,7 @@ class ModelRunner:
             RuntimeError: called after the runner's first real step (`execute`), when KV blocks may
                 hold cached prefixes that the warm-up would overwrite.
         """
-        from .sampler import greedy_ids
+        from kvpilot.sampling.sampler import greedy_ids
 
         if self._served:
             raise RuntimeError("warm_up_eager runs before the first step only: it writes into KV blocks "

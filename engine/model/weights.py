@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .llama import LlamaForCausalLM
+from kvpilot.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 

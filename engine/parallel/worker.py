@@ -52,10 +52,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .config import KvCacheConfig, ModelConfig
-from .custom_all_reduce import CustomAllReduce
-from .llama import ParallelContext
-from .model_runner import ModelRunner, ScheduledSeq, prefill_padding
+from kvpilot.config import KvCacheConfig
+
+from kvpilot.model.config import ModelConfig
+from kvpilot.parallel.custom_all_reduce import CustomAllReduce
+from kvpilot.model.llama import ParallelContext
+from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq, prefill_padding
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ def rank_graphs_enabled(tp_size: int, pipelined: bool) -> bool:
     ranks holding a tensor-parallel shard (``tp_size > 1``: TP and TP x PP);
     ``KVPILOT_PP_CUDA_GRAPHS=0`` those of pipeline stages (``pipelined``: ``P > 1``). All default 1.
     """
-    from .model_runner import cuda_graphs_enabled
+    from kvpilot.runner.model_runner import cuda_graphs_enabled
 
     if not cuda_graphs_enabled():
         return False
@@ -111,8 +113,8 @@ def single_gpu_prefill_buckets(max_num_tokens: int) -> Optional[list[int]]:
     or None when it captures none: ``KVPILOT_CUDA_GRAPHS=0``, ``KVPILOT_PREFILL_GRAPHS=0``, or a bad
     ``KVPILOT_PREFILL_GRAPH_TOKENS`` (logged as a warning: one GPU's `cuda_graphs.capture_all` then
     warns and runs prefill steps eagerly, so the ranks do not fail either)."""
-    from .cuda_graphs import default_token_buckets, prefill_graph_tokens
-    from .model_runner import cuda_graphs_enabled, prefill_graphs_enabled
+    from kvpilot.runner.cuda_graphs import default_token_buckets, prefill_graph_tokens
+    from kvpilot.runner.model_runner import cuda_graphs_enabled, prefill_graphs_enabled
 
     if not (cuda_graphs_enabled() and prefill_graphs_enabled()):
         return None
@@ -295,7 +297,7 @@ class RowDecoder:
         self._rows: dict = {}
 
     def decode(self, encoded: list[tuple]) -> list:
-        from .sampler_inputs import SamplingRow
+        from kvpilot.sampling.sampler_inputs import SamplingRow
 
         rows = self._rows
         out, now = [], {}
@@ -348,7 +350,7 @@ def one_shot_everywhere(worker: Worker) -> bool:
 
 def check_same_invariant_size(worker: Worker) -> None:
     """Raise ValueError unless every rank of the world, on every node, built its model with the same
-    ``KVPILOT_TP_INVARIANT`` (engine/tp_invariant.py): ranks that disagree would pair an all-gather
+    ``KVPILOT_TP_INVARIANT`` (engine/model/tp_invariant.py): ranks that disagree would pair an all-gather
     with an all-reduce. Collective over the default group, once, after `Worker` is built (pods of a
     LeaderWorkerSet group read the variable from their own environment)."""
     size = int(getattr(worker.runner.model, "tp_invariant", 0))
@@ -433,7 +435,7 @@ class StageRunner(ModelRunner):
             self.prefill_pad_buckets = single_gpu_prefill_buckets(self.max_num_tokens)
         if (self.graphs is None and self.device.type == "cuda" and (tp > 1 or not whole)  # else the base's
                 and rank_graphs_enabled(tp, not whole)):
-            from .cuda_graphs import DecodeGraphs, capture_all
+            from kvpilot.runner.cuda_graphs import DecodeGraphs, capture_all
 
             if tp == 1:
                 self.graphs, _ = capture_all(self, prefill=False)
@@ -627,7 +629,7 @@ class Worker:
             if len(rows) != n:
                 raise ValueError(f"the step's plan has {len(rows)} sampling rows for {n} logits rows")
             if self.sampler is None:
-                from .sampler import Sampler
+                from kvpilot.sampling.sampler import Sampler
 
                 self.sampler = Sampler()
             call = self.sampler.launch(logits, rows)
@@ -636,7 +638,7 @@ class Worker:
             self.pending_ids.append((call.ready, call))
             self.num_sampled_steps += 1
             return
-        from .sampler import greedy_ids
+        from kvpilot.sampling.sampler import greedy_ids
 
         greedy_ids(logits, out=ids)
         if self._ids_host is None:

@@ -57,7 +57,7 @@ class SamplingRow:
     ``step``, ``output_token_ids`` and ``banned_token_ids`` may change between calls (the engine
     updates them every step; ``output_token_ids`` only grows, or is replaced by a new list that
     starts with the old one's tokens: the penalty counts add only the new tail, see
-    `kvpilot.logits_processors.TokenCounts`; another history needs another row). The
+    `kvpilot.sampling.logits_processors.TokenCounts`; another history needs another row). The
     other fields are read once, at the row's first call, and again only after being assigned:
     assign a new list or dict rather than editing one in place.
     """

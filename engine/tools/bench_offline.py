@@ -10,7 +10,7 @@ tokenizer run with ``skip_tokenizer_init=True``.
   as the KV pool holds at full length, TensorRT-LLM's guaranteed-no-evict policy, capped by
   ``max_batch_size``); reports output and total tokens/s over the whole run.
 
-`engine/bench.py` (``kvpilot bench serve``) registers these subcommands from `SUBCOMMANDS`.
+`engine/tools/bench.py` (``kvpilot bench serve``) registers these subcommands from `SUBCOMMANDS`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int = 0, low: i
 
 
 def _fixed_params(output_len: int, temperature: float = 0.0):
-    from . import SamplingParams
+    from kvpilot import SamplingParams
 
     # ignore_eos alone fixes the length; min_tokens would add a per-row ban list to every sampler call.
     return SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, detokenize=False)
@@ -179,7 +179,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def _make_llm(args, min_seq_len: int):
-    from . import LLM, KvCacheConfig
+    from kvpilot import LLM, KvCacheConfig
 
     model = Path(args.model)
     tok_dir = Path(args.tokenizer) if args.tokenizer else model
@@ -224,7 +224,7 @@ def run_throughput_cli(args) -> int:
     return _finish(args, res)
 
 
-# (name, help, configure, run), in engine/bench.py's `_SUBCOMMANDS` format.
+# (name, help, configure, run), in engine/tools/bench.py's `_SUBCOMMANDS` format.
 SUBCOMMANDS = [
     ("latency", "batch decode latency on the in-process engine (TTFT, inter-token latency)", configure_latency,
      run_latency_cli),

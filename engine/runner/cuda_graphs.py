@@ -51,15 +51,13 @@ import logging
 import os
 import time
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .llama import AttentionMetadata
+from kvpilot.model.layers import AttentionMetadata
+from kvpilot.runner.batch import ScheduledSeq
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .model_runner import ModelRunner, ScheduledSeq
 
 logger = logging.getLogger(__name__)
 

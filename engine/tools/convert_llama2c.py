@@ -372,7 +372,7 @@ def stories260k_source_dir() -> Path:
     env = os.environ.get("KVPILOT_STORIES260K_DIR")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parent.parent  # engine/ sits one level below the repo root
+    repo = Path(__file__).resolve().parents[2]  # this file is <repo>/engine/tools/convert_llama2c.py
     return repo.parent / "shared" / "models" / "stories260K"
 
 

@@ -2,7 +2,7 @@
 
 The user's process stays the single front end: `LLM`'s engine core (scheduler, KV block manager,
 sampler, detokenizer) runs there, and each step's plan (``list[ScheduledSeq]``, plain data) goes to
-the workers over `multiprocessing` pipes. The workers (`kvpilot.parallel_worker`) form one
+the workers over `multiprocessing` pipes. The workers (`kvpilot.parallel.worker`) form one
 ``torch.distributed`` group (NCCL on GPUs, gloo on CPU) and hold one weight shard each; the output
 rank (tensor-parallel rank 0 of the last pipeline stage) sends the step's float32 logits back.
 
@@ -51,9 +51,12 @@ from typing import Mapping, Optional
 
 import torch
 
-from .config import KvCacheConfig, ModelConfig
-from .custom_all_reduce import custom_all_reduce_enabled, custom_all_reduce_max_tokens
-from .parallel_worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
+from kvpilot.outputs import EngineDeadError
+from kvpilot.config import KvCacheConfig
+
+from kvpilot.model.config import ModelConfig
+from kvpilot.parallel.custom_all_reduce import custom_all_reduce_enabled, custom_all_reduce_max_tokens
+from kvpilot.parallel.worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
                               MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, RowEncoder,
                               StepTimer, WorkerSpec, pipe_spin_seconds, rank_sampling_enabled, spin_poll,
                               stage_layers, step_timing_enabled, worker_main)
@@ -65,12 +68,6 @@ _GUARD_HINT = ("kvpilot starts its tensor/pipeline-parallel workers with the 'sp
                "your main module in every worker. Protect your script's entry point:\n\n"
                "    if __name__ == '__main__':\n        main()\n\n"
                "so that creating the LLM does not run again in the workers.")
-
-
-def _engine_dead_error():
-    from .llm import EngineDeadError  # llm imports this module lazily; import back lazily too
-
-    return EngineDeadError
 
 
 def tp_async_enabled() -> bool:
@@ -126,7 +123,7 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, num_key_value_heads {kv}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {cfg.intermediate_size}")
-    from .tp_invariant import check_tp_invariant  # KVPILOT_TP_INVARIANT, before any worker starts
+    from kvpilot.model.tp_invariant import check_tp_invariant  # KVPILOT_TP_INVARIANT, before any worker starts
 
     check_tp_invariant(cfg, tp)
     stage_layers(cfg.num_hidden_layers, pp)
@@ -242,7 +239,7 @@ class MultiprocExecutor:
         group = LwsGroup.from_env()
         if group is not None and group.index != 0:
             raise RuntimeError(f"this pod is worker {group.index} of a LeaderWorkerSet group; only the leader "
-                               f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.run_lws_worker")
+                               f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.executor.run_lws_worker")
         spec = make_worker_spec(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
                                 llm.max_batch_size, llm.max_seq_len, device, dtype, llm.tensor_parallel_size,
                                 llm.pipeline_parallel_size, group)
@@ -284,7 +281,7 @@ class MultiprocExecutor:
             raise
         self.num_blocks = min(blocks.values())
         # Every rank's tensor-parallel all-reduces, on every node, may use the one-shot kernel
-        # (engine/custom_all_reduce.py; the workers agree on it, `parallel_worker.one_shot_everywhere`).
+        # (engine/parallel/custom_all_reduce.py; the workers agree on it, `parallel_worker.one_shot_everywhere`).
         self.one_shot_all_reduce = bool(one_shot) and all(one_shot)
         # Asynchronous steps (`tp_async_enabled`; `execute`'s docstring).
         self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node
@@ -644,7 +641,7 @@ class MultiprocExecutor:
         if self._dead is not None:
             raise self._dead
         if self._closed:
-            raise _engine_dead_error()("tensor/pipeline-parallel engine stopped: it was shut down")
+            raise EngineDeadError("tensor/pipeline-parallel engine stopped: it was shut down")
 
     def _execute(self, plan) -> tuple[torch.Tensor, list[int]]:
         self._check_usable()
@@ -849,7 +846,7 @@ class MultiprocExecutor:
         """Mark the engine dead, stop every worker and the engine loop, raise `EngineDeadError`."""
         if self._dead is not None:
             raise self._dead  # the first cause is the one to report
-        err = _engine_dead_error()(f"tensor/pipeline-parallel engine stopped: {reason}")
+        err = EngineDeadError(f"tensor/pipeline-parallel engine stopped: {reason}")
         logger.error("%s", err)
         self._dead = err
         self._terminate()

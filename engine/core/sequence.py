@@ -7,9 +7,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .outputs import Logprob, RequestOutput
-from .sampler import SamplingRow
-from .sampling_params import SamplingParams
+from kvpilot.outputs import Logprob, RequestOutput
+from kvpilot.sampling.sampler import SamplingRow
+from kvpilot.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import httpx
 import numpy as np
 
-from . import bench_offline as _offline
+from kvpilot.tools import bench_offline as _offline
 
 logger = logging.getLogger(__name__)
 

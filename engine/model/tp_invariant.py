@@ -1,12 +1,12 @@
 """Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``; issue 9; docs/parallelism.md).
 
-``T`` (default 0 = off) is read once when the model is built (`kvpilot.llama.LlamaForCausalLM`), so
+``T`` (default 0 = off) is read once when the model is built (`kvpilot.model.llama.LlamaForCausalLM`), so
 spawned workers inherit it. Every layout then computes the decomposition of a TP-``T`` group: TP
 ``t`` for any ``t`` dividing ``T`` (TP 1 included) gives bit-identical logits. ``T`` must be a
 multiple of ``tensor_parallel_size`` ``t`` and divide the attention heads, the KV heads and
 ``intermediate_size`` (`tp_invariant_shards`; ValueError at build otherwise). Each rank holds
 ``s = T / t`` *shards*: shard ``g = tp_rank * s + j`` is exactly what rank ``g`` of a TP-``T``
-group holds (its own contiguous tensors, loaded by the same slicing code in `kvpilot.weights`), and
+group holds (its own contiguous tensors, loaded by the same slicing code in `kvpilot.model.weights`), and
 every sharded op runs once per shard at that rank's shapes (`InvariantDecoderLayer`):
 
 - QKV and gate/up (column parallel): one projection per shard, called as a TP-``T`` rank calls it
@@ -56,10 +56,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import kernels as K
-from .config import ModelConfig
-from .kernels import gemv as KG
-from .llama import AttentionMetadata, ParallelContext, RMSNorm, fused_gemv_enabled
+from kvpilot import kernels as K
+from kvpilot.model.config import ModelConfig
+from kvpilot.kernels import gemv as KG
+from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm, fused_gemv_enabled
 
 
 def tp_invariant_size() -> int:

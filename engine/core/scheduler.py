@@ -26,7 +26,7 @@ interleaved, every one of them could lose a sequence to the budget in every step
 ever step again (another livelock, with ``max_num_tokens`` below the beams running).
 
 A preempted lockstep request is re-admitted with its sequences sharing blocks again, as its beams
-shared them while running (forked block tables, engine/beam_search.py): each sequence takes the
+shared them while running (forked block tables, engine/core/beam_search.py): each sequence takes the
 leading full blocks it has in common with an earlier sequence of the group by reference
 (`KVCacheManager.share_prefix`; blocks still in the prefix cache are taken from it first), and
 gets blocks of its own only for the rest. The sequence that allocated a shared block recomputes it;
@@ -46,9 +46,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
-from .kv_cache_manager import KVCacheManager
-from .outputs import RequestTooLargeError
-from .sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.kv_cache_manager import KVCacheManager
+from kvpilot.outputs import RequestTooLargeError
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .sequence import Sequence
+from kvpilot.core.sequence import Sequence
 
 _INITIAL_WINDOW = 5  # prompt tokens decoded as context before the first output token
 

@@ -5,7 +5,7 @@ logits processors): forbidden tokens (``min_tokens``, ``bad_words``, ``allowed_t
 bias, repetition penalty (HF: over prompt and output tokens; positive logits divided, negative
 multiplied), frequency/presence penalties (OpenAI: output tokens only,
 ``logit -= frequency * count + presence * (count > 0)``), then temperature, top-k, top-p, min-p.
-The first four are `kvpilot.logits_processors` (a few batched operations each, penalties from
+The first four are `kvpilot.sampling.logits_processors` (a few batched operations each, penalties from
 per-sequence token counts kept on the device).
 
 Randomness is a counter-based hash of (request seed, output position, token id) turned into Gumbel
@@ -35,7 +35,7 @@ Log-probabilities are taken from the unmodified distribution (``log_softmax`` of
 as vLLM's default and OpenAI's API do, so top-p/top-k never shrink the ``logprobs`` lists.
 
 Host work per call (it, not the kernels, sets the sampler's cost at serving batch sizes): the rows'
-fixed parameters are cached packed records (`kvpilot.sampler_inputs`), every index and parameter
+fixed parameters are cached packed records (`kvpilot.sampling.sampler_inputs`), every index and parameter
 array goes to the device in one pinned non-blocking copy, and nothing reads the device until the
 one read of the results (`Sampler.launch` queues everything, `_Pending.finish` reads). Rows a
 fast path could not settle exactly come back as -1 and are drawn again by `_draw_exact` then.
@@ -53,8 +53,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .logits_processors import Processing, apply_penalties_and_masks
-from .sampler_inputs import SamplingRow, Upload, records, to_host
+from kvpilot.sampling.logits_processors import Processing, apply_penalties_and_masks
+from kvpilot.sampling.sampler_inputs import SamplingRow, Upload, records, to_host
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties_and_masks", "greedy_ids", "gumbel_noise",
            "mask_sorted_candidates", "top_k_top_p_min_p", "triton_sampler_enabled"]
@@ -380,11 +380,11 @@ def greedy_ids(logits: torch.Tensor, out: Optional[torch.Tensor] = None, use_tri
     along a vocabulary of 1 .. 2**31 - 1 columns; ``out`` None or a contiguous [S] int64 tensor on
     their device); else by ``torch.argmax``, whose errors it raises."""
     if use_triton is None:
-        from .kernels import triton_available
+        from kvpilot.kernels import triton_available
 
         use_triton = logits.is_cuda and triton_sampler_enabled() and triton_available()
     if use_triton:
-        from .kernels import sampling as ksampling
+        from kvpilot.kernels import sampling as ksampling
 
         if _argmax_kernel_takes(logits, out, ksampling.ARGMAX_DTYPES):
             return ksampling.argmax(logits, out=out)
@@ -466,7 +466,7 @@ class Sampler:
         else:
             fprm, iprm, order = (t[h] for h in hd)
             if use_triton:
-                from .kernels import sampling as ksampling
+                from kvpilot.kernels import sampling as ksampling
 
                 n_plain = len(d.plain) + len(d.greedy)
                 tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:], n_pivot=d.n_pivot)
@@ -479,7 +479,7 @@ class Sampler:
             sel = t[hl]
             chosen = tokens[sel].clamp(min=0)  # -1: drawn again by `finish`, which redoes its logprobs
             if use_triton and logits.stride(1) == 1 and kmax <= _TRITON_LOGPROBS_MAX:
-                from .kernels import sampling as ksampling
+                from kvpilot.kernels import sampling as ksampling
 
                 lp = ksampling.raw_logprobs(logits, sel, chosen, kmax)
             else:
@@ -509,11 +509,11 @@ class Sampler:
             return True
         if self.backend != "auto" or not logits.is_cuda or not triton_sampler_enabled():
             return False
-        from .kernels import triton_available
+        from kvpilot.kernels import triton_available
 
         if not triton_available():
             return False
-        from .kernels import sampling as ksampling
+        from kvpilot.kernels import sampling as ksampling
 
         return logits.shape[-1] <= ksampling.MAX_VOCAB  # larger: the PyTorch path
 

@@ -90,16 +90,16 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
-from .detokenizer import decode_new_text, find_stop, hold_back_len, init_offsets
-from .kv_cache_manager import KVCacheManager
-from .model_runner import ScheduledSeq
-from .outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
-from .beam_search import BeamSearch
-from .sampler import Sampler, SamplerOutput, SamplingRow
-from .sampler_inputs import Upload
-from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Request, Sequence, SequenceStatus
-from .stats import FinishedRequestStats, IterationStats, KvCacheStats
+from kvpilot.core.detokenizer import decode_new_text, find_stop, hold_back_len, init_offsets
+from kvpilot.core.kv_cache_manager import KVCacheManager
+from kvpilot.runner.batch import ScheduledSeq
+from kvpilot.outputs import Logprob, RequestAborted, RequestError, RequestUpdate, SequenceDelta
+from kvpilot.core.beam_search import BeamSearch
+from kvpilot.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from kvpilot.sampling.sampler_inputs import Upload
+from kvpilot.core.scheduler import Scheduler, SchedulerOutput
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.stats import FinishedRequestStats, IterationStats, KvCacheStats
 
 logger = logging.getLogger(__name__)
 

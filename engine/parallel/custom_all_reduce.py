@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .kernels.allreduce import fill_sentinel, two_rank_all_reduce
+from kvpilot.kernels.allreduce import fill_sentinel, two_rank_all_reduce
 
 logger = logging.getLogger(__name__)
 

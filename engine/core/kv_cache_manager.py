@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from .sequence import Sequence
+from kvpilot.core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

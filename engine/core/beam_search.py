@@ -28,7 +28,7 @@ tokens of the parent's last, partial block in its next step (at most ``tokens_pe
 so no block is ever written by two beams and no copy kernel is needed. A forked beam joins the
 running sequences at once, next to its siblings (`Scheduler.add_forks`: a request's beams stay
 contiguous in running order); the scheduler reserved the request's full width in batch slots when it
-admitted it, and preempts and re-admits all of its beams together (engine/scheduler.py). Re-admitted
+admitted it, and preempts and re-admits all of its beams together (engine/core/scheduler.py). Re-admitted
 beams share their common leading full blocks again (with or without block reuse): one beam
 recomputes each shared block, the others wait for it and then recompute only their own tokens.
 """
@@ -38,16 +38,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from .outputs import SequenceDelta
-from .sampler import SamplingRow, apply_penalties_and_masks
-from .sequence import Request, Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .engine_core import EngineCore
+from kvpilot.outputs import SequenceDelta
+from kvpilot.sampling.sampler import SamplingRow, apply_penalties_and_masks
+from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

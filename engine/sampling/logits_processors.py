@@ -11,7 +11,7 @@ bans and biases are flat ``row * V + token`` index arrays (one scatter each); pe
 per-sequence token counts that live on the device (`TokenCounts`) and are updated with each row's new
 output tokens only, so a step costs the same at 100 or 100,000 tokens of history (no per-row
 operations, no sort or ``unique`` of the histories). Every index array of a call travels in the
-call's one upload (`kvpilot.sampler_inputs.Upload`).
+call's one upload (`kvpilot.sampling.sampler_inputs.Upload`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .sampler_inputs import ALLOWED, BIAS, PENALTIES, SamplingRow, Upload, records
+from kvpilot.sampling.sampler_inputs import ALLOWED, BIAS, PENALTIES, SamplingRow, Upload, records
 
 
 _RECOUNT = object()  # the prompt of a `SamplingRow._counts` to count again (matches no row's prompt)
@@ -217,7 +217,7 @@ class Processing:
                 rows, slots, pen, clear, marks, adds, twos = (t[h] for h in self._h[5:])
                 self.pool.update(clear, marks, adds, twos)
                 if use_triton and x.dtype == torch.float32:
-                    from .kernels import sampling as ksampling
+                    from kvpilot.kernels import sampling as ksampling
 
                     ksampling.apply_penalties(x, rows, slots, self.pool.counts, pen, self.any_rep, self.any_freq)
                 else:

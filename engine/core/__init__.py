@@ -1,0 +1,1 @@
+"""The engine core: request state, scheduler, KV-cache manager, the step loop, output processing."""

@@ -1,0 +1,1 @@
+"""Models: shared layers, one module per model family, and the registry from `config.json`."""

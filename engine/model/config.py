@@ -1,0 +1,93 @@
+"""`ModelConfig`: the parts of a Hugging Face `config.json` the engine uses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face Llama-architecture `config.json` the engine uses."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict[str, Any]]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str
+    bos_token_id: Optional[int]
+    eos_token_ids: list[int]
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+        """Read ``config.json`` (and ``generation_config.json`` for the stop ids) from a model directory.
+
+        Raises:
+            FileNotFoundError: no config.json.
+            ValueError: an architecture other than Llama/Mistral.
+        """
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
+        cfg = json.loads(path.read_text())
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        if not any(a in cls.SUPPORTED_ARCHITECTURES for a in archs):
+            raise ValueError(f"unsupported architecture {archs}; kvpilot runs {', '.join(cls.SUPPORTED_ARCHITECTURES)}")
+        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+            raise ValueError(f"{model_dir}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                             f"supported; kvpilot's attention is full-context")
+        heads = cfg["num_attention_heads"]
+        eos = _as_list(cfg.get("eos_token_id"))
+        gen_path = Path(model_dir) / "generation_config.json"
+        if gen_path.is_file():
+            gen = json.loads(gen_path.read_text())
+            eos = list(dict.fromkeys(eos + _as_list(gen.get("eos_token_id"))))
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        # transformers 5 moves rope settings into `rope_parameters`.
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if params.get("rope_type", "default") != "default" and rope_scaling is None:
+                rope_scaling = params
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            raw=cfg,
+        )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,1 @@
+"""The model runner: ragged batch inputs, persistent block tables, CUDA graphs."""

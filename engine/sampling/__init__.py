@@ -1,0 +1,1 @@
+"""Batched sampling on the device: per-row parameters, logits processors, the sampler."""

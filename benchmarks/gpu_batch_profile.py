@@ -37,6 +37,8 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
 
     from kvpilot.kernels import attention
 
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
+
     cfg = runner.cfg
     H, D = cfg.num_attention_heads, cfg.head_dim
     kv = runner.kv_caches[0]
@@ -47,10 +49,10 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
     small = [dict(min_split_tokens=m) for m in (64, 128, 256)]
     # (block_n, warps, stages) around the best of the last sweep, each in both grid orders and both
     # K tile orders; the stages apply to the cache dtype being measured.
-    stages_key = "batch_num_stages_fp8" if runner.kv_dtype in attention._FP8_DTYPES else "batch_num_stages"
+    stages_key = "batch_num_stages_fp8" if runner.kv_dtype in attention_common._FP8_DTYPES else "batch_num_stages"
     # Around the best launch of the last sweeps (64 keys, 2 warps, 2 stages): register caps (the FP8
     # kernel used 207 registers a thread, 8 warps per SM), one stage, 32-key tiles.
-    reg_key = "batch_maxnreg_fp8" if runner.kv_dtype in attention._FP8_DTYPES else "batch_maxnreg"
+    reg_key = "batch_maxnreg_fp8" if runner.kv_dtype in attention_common._FP8_DTYPES else "batch_maxnreg"
     large = [dict(block_n=bn, batch_num_warps=w, **{stages_key: s, reg_key: r})
              for (bn, w, s), r in itertools.product(
                  ((64, 2, 2), (64, 2, 1), (32, 2, 2), (64, 4, 1)), (None, 168, 128, 96))]
@@ -71,12 +73,12 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
                                                meta.query_start_loc, D ** -0.5, 1, bound)
         best = None
         variants = [dict()] + (small if b <= 8 else large)
-        if runner.kv_dtype in attention._FP8_DTYPES:
+        if runner.kv_dtype in attention_common._FP8_DTYPES:
             variants.insert(1, dict(bf16_dots=True))
         for var in variants:
-            fp8_types = attention._FP8_DTYPES
+            fp8_types = attention_common._FP8_DTYPES
             if var.get("bf16_dots"):  # the FP8 path as it was: e4m3 converted to bf16 for the dots
-                attention._FP8_DTYPES = ()
+                attention_common._FP8_DTYPES = ()
             attention.TUNING["decode"] = dict(base, **{k: v for k, v in var.items() if k != "bf16_dots"})
             try:
                 out = attention.paged_attention_triton(q, kv[0], kv[1], meta.block_tables, meta.seq_lens,
@@ -93,7 +95,7 @@ def attention_variants(runner, bw: float, batches: list[int], ctx: int, top_boun
                 continue
             finally:
                 attention.TUNING["decode"] = base
-                attention._FP8_DTYPES = fp8_types
+                attention_common._FP8_DTYPES = fp8_types
             if err > 2e-2:
                 print(f"MISMATCH {var}: max err {err}")
                 sys.exit(1)
@@ -109,6 +111,8 @@ def mixed_attention(runner, decodes: int, ctx: int, chunks: int, chunk: int) -> 
     import triton
 
     from kvpilot.kernels import attention
+
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.runner.model_runner import ScheduledSeq
 
     cfg = runner.cfg

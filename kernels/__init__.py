@@ -102,7 +102,7 @@ def paged_attention_triton(*args, **kwargs):
 def rotary_decode_attention_triton(*args, **kwargs):
     """Triton version of :func:`rotary_decode_attention_ref` in one launch (same arguments, plus
     ``num_splits`` and ``launch_kv_heads``; see ``kernels/attention.py``). ``q`` is not modified."""
-    return _triton_impl("attention", "rotary_decode_attention_triton")(*args, **kwargs)
+    return _triton_impl("fused_decode_attention", "rotary_decode_attention_triton")(*args, **kwargs)
 
 
 def rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,

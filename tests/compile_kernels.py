@@ -130,7 +130,9 @@ class FakeCudaDriver(DriverBase):
 GPU_CONSTEXPRS = {
     # paged_attention_triton: dot_fp32 = q.dtype == bf16 and not q.is_cuda (the CPU interpreter's
     # bf16 tl.dot is wrong); on CUDA, bf16 and FP8 tiles go to tl.dot in bf16.
-    ("kvpilot.kernels.attention", "DOT_FP32"): False,
+    ("kvpilot.kernels.prefill_attention", "DOT_FP32"): False,
+    ("kvpilot.kernels.decode_attention", "DOT_FP32"): False,
+    ("kvpilot.kernels.fused_decode_attention", "DOT_FP32"): False,
     # sampling.draw: precise = dev.type == "cuda" and libdevice is not None and not interpreting.
     ("kvpilot.kernels.sampling", "PRECISE"): True,
 }
@@ -297,7 +299,7 @@ def install() -> None:
 def _patch_gpu_paths() -> None:
     """Make the wrappers take the decisions they take on an H200 from CPU tensors.
 
-    - ``attention._device_sms`` returns 4 for CPU tensors (so the interpreter tests exercise the
+    - ``attention_common._device_sms`` returns 4 for CPU tensors (so the interpreter tests exercise the
       split path); the split heuristics (``NUM_SPLITS`` constexpr) need the H200's 132 SMs.
     - ``gemv._sm_count`` likewise (it only sizes the persistent grid, not a constexpr), and
       ``gemv._tma_device`` (the "tma" launch rows need an sm_90 device; on CPU tensors they would
@@ -305,8 +307,9 @@ def _patch_gpu_paths() -> None:
     Constexprs derived from the device itself are forced in ``_compile_only`` (``GPU_CONSTEXPRS``).
     """
     from kvpilot.kernels import attention, gemv
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
-    attention._device_sms = lambda device: H200_SMS
+    attention_common._device_sms = lambda device: H200_SMS
     gemv._sm_count = lambda device: H200_SMS
     gemv._tma_device = lambda device: True
 
@@ -393,7 +396,7 @@ def _rotary_write(sh: Shard, tokens, kv_dtype):
 def _rotary_decode(sh: Shard, ctx_lens, kv_dtype):
     """The fused rotary + KV write + decode attention of a decode-only batch (one token per sequence)."""
     def case():
-        from kvpilot.kernels.attention import rotary_decode_attention_triton
+        from kvpilot.kernels.fused_decode_attention import rotary_decode_attention_triton
 
         b = _batch([1] * len(ctx_lens), ctx_lens)
         cos_sin = torch.empty(8192, HEAD_DIM, dtype=torch.float32)
@@ -570,9 +573,9 @@ def _with_pdl(mode: int, case: Callable[[], None]) -> Callable[[], None]:
     """``case`` with programmatic dependent launch (kernels/pdl.py) forced to ``mode`` in every
     kernel module that launches with it (on a CPU tensor the wrappers would pick 0)."""
     def run():
-        from kvpilot.kernels import allreduce, attention, gemv, kv_cache, pointwise
+        from kvpilot.kernels import allreduce, decode_attention, fused_decode_attention, gemv, kv_cache, pointwise
 
-        mods = (allreduce, attention, gemv, kv_cache, pointwise)
+        mods = (allreduce, decode_attention, fused_decode_attention, gemv, kv_cache, pointwise)
         saved = [m.pdl_mode for m in mods]
         for m in mods:
             m.pdl_mode = lambda device, rows: mode
@@ -589,6 +592,7 @@ def _with_decode_tuning(case: Callable[[], None], **overrides) -> Callable[[], N
     """``case`` with ``kernels.attention.TUNING["decode"]`` updated by ``overrides`` (restored after)."""
     def run():
         from kvpilot.kernels import attention
+        from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
         saved = dict(attention.TUNING["decode"])
         attention.TUNING["decode"].update(overrides)

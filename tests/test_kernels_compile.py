@@ -23,11 +23,11 @@ SCRIPT = Path(__file__).with_name("compile_kernels.py")
 # Kernels the engine launches (the script itself also fails on any @triton.jit kernel of
 # kernels/*.py it did not compile; this list checks that its report names them).
 EXPECTED = [
-    "attention._prefill_kernel",
-    "attention._prefill_reduce_kernel",
-    "attention._decode_kernel",
-    "attention._reduce_kernel",
-    "attention._rotary_decode_kernel",
+    "prefill_attention._prefill_kernel",
+    "prefill_attention._prefill_reduce_kernel",
+    "decode_attention._decode_kernel",
+    "decode_attention._reduce_kernel",
+    "fused_decode_attention._rotary_decode_kernel",
     "kv_cache._write_kv_kernel",
     "kv_cache._rotary_write_kv_kernel",
     "pointwise._rms_norm_kernel",
@@ -94,15 +94,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     ok = [line for line in out.splitlines() if line.startswith("ok ")]
     # The GPU paths were compiled, not the CPU interpreter's: bf16/FP8 tiles into tl.dot, and the
     # sampler's libdevice exp.
-    attention = [line for line in ok if line.split()[1].startswith("attention._") and "DOT_FP32=" in line]
+    attention = [line for line in ok if line.split()[1].startswith(("prefill_attention._", "decode_attention._", "fused_decode_attention._")) and "DOT_FP32=" in line]
     assert attention and all("DOT_FP32=False" in line for line in attention)
     assert any("_decode_kernel" in line and "fp8e4m3" in line for line in attention)
     assert any("_prefill_kernel" in line and "fp8e4m3" in line for line in attention)
     # With and without context splits (132 SMs): the prefill kernel's split count is a constexpr, the
     # decode kernel's a runtime argument with a SPLIT flag.
-    splits = {m for line in attention if "attention._prefill_kernel " in line for m in re.findall(r"NUM_SPLITS=(\d+)", line)}
+    splits = {m for line in attention if "prefill_attention._prefill_kernel " in line for m in re.findall(r"NUM_SPLITS=(\d+)", line)}
     assert "1" in splits and len(splits) >= 2, splits
-    split_flags = {m for line in attention if "attention._decode_kernel " in line for m in re.findall(r"\bSPLIT=(\w+)", line)}
+    split_flags = {m for line in attention if "decode_attention._decode_kernel " in line for m in re.findall(r"\bSPLIT=(\w+)", line)}
     assert split_flags == {"True", "False"}, split_flags
     precise = [line for line in ok if "PRECISE=" in line]
     assert precise and all("PRECISE=True" in line for line in precise)

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from kvpilot.kernels import attention
+
+from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 from kvpilot.kernels.reference import paged_attention_ref
 
 HAS_CUDA = torch.cuda.is_available()
@@ -28,9 +30,9 @@ FP8 = torch.float8_e4m3fn
 def tma_launches(monkeypatch):
     """TMA switched on for both cache kinds; returns the list of `_launch_decode_tma` calls."""
     calls = []
-    real = attention._launch_decode_tma
+    real = decode_attention._launch_decode_tma
     monkeypatch.setitem(attention.TUNING, "decode", dict(attention.TUNING["decode"], batch_tma=True, batch_tma_fp8=True))
-    monkeypatch.setattr(attention, "_launch_decode_tma", lambda *a, **k: (calls.append(a[1].dtype), real(*a, **k))[1])
+    monkeypatch.setattr(decode_attention, "_launch_decode_tma", lambda *a, **k: (calls.append(a[1].dtype), real(*a, **k))[1])
     return calls
 
 
@@ -111,12 +113,12 @@ def test_tma_decode_agrees_with_pointer_kernel_and_skips_padding(tma_launches, m
 
 def test_decode_tuning_from_json():
     """``KVPILOT_DECODE_TUNING``: a JSON object of known keys, two pages at most; anything else a ValueError."""
-    assert attention.decode_tuning_from_json('{"batch_tma_fp8": false, "batch_tma_pages": 2}') == {
+    assert attention_common.decode_tuning_from_json('{"batch_tma_fp8": false, "batch_tma_pages": 2}') == {
         "batch_tma_fp8": False, "batch_tma_pages": 2}
     for text, match in (("{", "not JSON"), ("[1]", "JSON object"), ('{"batch_tma_fp8 ": false}', "unknown keys"),
                         ('{"batch_tma_pages": 3}', "1 or 2")):
         with pytest.raises(ValueError, match=match):
-            attention.decode_tuning_from_json(text)
+            attention_common.decode_tuning_from_json(text)
 
 
 def test_tma_reasons():
@@ -126,21 +128,21 @@ def test_tma_reasons():
     saved = dict(attention.TUNING["decode"])
     try:
         attention.TUNING["decode"].update(batch_tma=False, batch_tma_fp8=False)
-        assert attention._tma_decode_reason(q, k, k, True) == "switched off"
+        assert decode_attention._tma_decode_reason(q, k, k, True) == "switched off"
         attention.TUNING["decode"].update(batch_tma=True, batch_tma_fp8=True)
-        if attention.TensorDescriptor is None:
+        if decode_attention.TensorDescriptor is None:
             pytest.skip("this Triton has no host-side TMA descriptors")
-        assert attention._tma_decode_reason(q, k, k, True) == ""
-        assert "contiguous" in attention._tma_decode_reason(q, k[:, :, :1], k, True)
+        assert decode_attention._tma_decode_reason(q, k, k, True) == ""
+        assert "contiguous" in decode_attention._tma_decode_reason(q, k[:, :, :1], k, True)
         for shape in ((10, 12, 2, 32), (10, 8, 2, 32), (10, 16, 2, 8), (10, 512, 2, 32)):
             bad = torch.zeros(shape, dtype=FP8)  # a page of 12 or 8 tokens, head_dim 8, a 512-token page
-            assert "powers of two from 16 to 256" in attention._tma_decode_reason(q, bad, bad, True), shape
+            assert "powers of two from 16 to 256" in decode_attention._tma_decode_reason(q, bad, bad, True), shape
         # The engine's bf16 page (32 x 128) is the largest box; 64 x 128 would need too much shared memory.
         ok, big = torch.zeros(4, 32, 2, 128, dtype=torch.bfloat16), torch.zeros(4, 64, 2, 128, dtype=torch.bfloat16)
-        assert attention._tma_decode_reason(q, ok, ok, False) == ""
-        assert "shared memory" in attention._tma_decode_reason(q, big, big, False)
+        assert decode_attention._tma_decode_reason(q, ok, ok, False) == ""
+        assert "shared memory" in decode_attention._tma_decode_reason(q, big, big, False)
         fp32 = torch.zeros(4, 16, 2, 32)
-        assert "8- and 16-bit" in attention._tma_decode_reason(q, fp32, fp32, False)
+        assert "8- and 16-bit" in decode_attention._tma_decode_reason(q, fp32, fp32, False)
     finally:
         attention.TUNING["decode"].clear()
         attention.TUNING["decode"].update(saved)

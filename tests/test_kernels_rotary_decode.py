@@ -52,7 +52,8 @@ def _with_caches(args, k_cache, v_cache):
 
 def _triton():
     pytest.importorskip("triton")
-    from kvpilot.kernels.attention import paged_attention_triton, rotary_decode_attention_triton
+    from kvpilot.kernels.attention import paged_attention_triton
+    from kvpilot.kernels.fused_decode_attention import rotary_decode_attention_triton
     from kvpilot.kernels.kv_cache import rotary_write_kv_cache_triton
 
     def unfused(*args, num_splits=None):
@@ -115,11 +116,12 @@ def test_fp8_cache_same_bytes_as_unfused_and_close_to_reference():
 @needs_triton
 def test_split_counters_are_left_zero_and_a_second_launch_repeats_the_first():
     from kvpilot.kernels import attention as A
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     fused, _ = _triton()
     args = _decode_batch([257, 64, 1], 8, 2, 32, 16, torch.float32, seed=3)
     first = fused(*args, num_splits=5)
-    counters = A._SPLIT_COUNTERS[(args[0].device.type, args[0].device.index)]
+    counters = fused_decode_attention._SPLIT_COUNTERS[(args[0].device.type, args[0].device.index)]
     assert counters.numel() >= 4096 and int(counters.abs().sum()) == 0
     # The new token's slot now holds the same values: a replay of the step computes the same output.
     again = fused(*args, num_splits=5)
@@ -130,18 +132,19 @@ def test_split_counters_are_left_zero_and_a_second_launch_repeats_the_first():
 @needs_triton
 def test_counter_buffer_grows_and_keeps_the_old_one():
     from kvpilot.kernels import attention as A
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     key = ("cpu", None)
-    before = A._SPLIT_COUNTERS.get(key)
+    before = fused_decode_attention._SPLIT_COUNTERS.get(key)
     try:
-        small = A._split_counters(torch.device("cpu"), 10)
+        small = fused_decode_attention._split_counters(torch.device("cpu"), 10)
         assert small.numel() == max(4096, small.numel()) and small.dtype == torch.int32
-        big = A._split_counters(torch.device("cpu"), 5000)
-        assert big.numel() == 8192 and A._RETIRED_COUNTERS[-1] is small
-        assert A._split_counters(torch.device("cpu"), 100) is big
+        big = fused_decode_attention._split_counters(torch.device("cpu"), 5000)
+        assert big.numel() == 8192 and fused_decode_attention._RETIRED_COUNTERS[-1] is small
+        assert fused_decode_attention._split_counters(torch.device("cpu"), 100) is big
     finally:
         if before is not None:
-            A._SPLIT_COUNTERS[key] = before
+            fused_decode_attention._SPLIT_COUNTERS[key] = before
 
 
 @needs_triton
@@ -179,6 +182,7 @@ def test_dispatcher_switch_and_batch_limit(monkeypatch, env, max_seqs, fused_cal
     """``KVPILOT_FUSED_DECODE_ATTN=0`` and batches over ``fused_rotary_max_seqs`` take the unfused
     launches; both give the reference's values."""
     from kvpilot.kernels import attention as A
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     fused, _ = _triton()
     calls = []

@@ -113,6 +113,7 @@ def test_mixed_step_decode_rows_either_kernel(monkeypatch, to_decode_kernel, num
     """A mixed step's one-token rows are right whether the decode kernel takes them (after the
     prefill kernel, whose split reduction writes junk there first) or the prefill kernel does."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     monkeypatch.setitem(attention.TUNING["prefill"], "decode_rows_to_decode_kernel", to_decode_kernel)
     q_lens, ctx_lens = [1, 9, 1, 0, 3, 1], [150, 40, 0, 12, 70, 33]
@@ -130,6 +131,7 @@ def test_decode_splits_follow_each_sequence_length(monkeypatch, min_split, num_s
     sequence divides its own context over the splits (at least ``min_split`` keys each), and the
     reduction weighs exactly the splits that sequence used."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     monkeypatch.setitem(attention.TUNING["decode"], "min_split_tokens", min_split)
     ctx_lens = [150, 0, 64, 300, 1]
@@ -146,11 +148,13 @@ import triton.language as tl  # noqa: E402
 
 from kvpilot.kernels import attention as attention_mod  # noqa: E402
 
+from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
+
 
 @triton.jit
 def _tile_probe(qsl_ptr, out_ptr, num_seqs, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.constexpr):
     t = tl.program_id(0)
-    seq, q_tile, total = attention_mod._prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q, SEQ_CHUNK)
+    seq, q_tile, total = prefill_attention._prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q, SEQ_CHUNK)
     tl.store(out_ptr + 3 * t, seq)
     tl.store(out_ptr + 3 * t + 1, q_tile)
     tl.store(out_ptr + 3 * t + 2, total)
@@ -164,7 +168,7 @@ def test_prefill_tile_map(seq_chunk):
     q_lens = [0, 5, 1, 4, 0, 0, 9, 1, 1, 12, 3, 0]  # 12 sequences: three chunks of 4
     expected = [(i, j) for i, ql in enumerate(q_lens) for j in range(-(-ql // block_q))]
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    grid = attention_mod.prefill_max_tiles(sum(q_lens), len(q_lens), max(q_lens), block_q)
+    grid = prefill_attention.prefill_max_tiles(sum(q_lens), len(q_lens), max(q_lens), block_q)
     assert grid >= len(expected)
     out = torch.full((grid, 3), -7, dtype=torch.int32, device=DEVICE)
     _tile_probe[(grid,)](qsl.to(DEVICE), out, len(q_lens), BLOCK_Q=block_q, SEQ_CHUNK=seq_chunk)
@@ -174,14 +178,14 @@ def test_prefill_tile_map(seq_chunk):
     # Worst case of the bound: every sequence one query past a full tile.
     for n, ql in ((7, block_q + 1), (3, 1), (1, 64)):
         tiles = n * -(-ql // block_q)
-        assert attention_mod.prefill_max_tiles(n * ql, n, ql, block_q) >= tiles
+        assert prefill_attention.prefill_max_tiles(n * ql, n, ql, block_q) >= tiles
     # Context splits from shapes (8B: 16-query tiles, 8 kv heads, 132 SMs): only small steps split.
-    assert attention_mod.prefill_block_q(4) == (16, 64)
-    splits = {t: attention_mod.prefill_num_splits(t, 16, 8, 132) for t in (16, 64, 128, 256, 2048)}
+    assert prefill_attention.prefill_block_q(4) == (16, 64)
+    splits = {t: prefill_attention.prefill_num_splits(t, 16, 8, 132) for t in (16, 64, 128, 256, 2048)}
     assert splits == {16: 16, 64: 16, 128: 9, 256: 1, 2048: 1}
     # A graph passes its padded sizes (16 tokens, 16 sequences, max_query_len 16); the batches it
     # may hold include one 16-token sequence (4 tiles) and eight 2-token sequences (8 tiles).
-    assert attention_mod.prefill_max_tiles(16, 16, 16, block_q) >= 8
+    assert prefill_attention.prefill_max_tiles(16, 16, 16, block_q) >= 8
 
 
 @pytest.mark.parametrize("dtype,splits", [(torch.float32, None), (torch.bfloat16, 3), (torch.float32, 5)])
@@ -348,12 +352,13 @@ def test_gpu_pointwise_llama8b():
 def test_decode_split_heuristic_matches_h200_tuning(monkeypatch):
     """The split counts that measured best on an H200 (132 SMs; docs/kernels.md)."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
-    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention_common, "_num_sms", lambda index: 132)
     cuda0 = torch.device("cuda", 0)
     # (num_seqs, max_seq_len) -> splits, with 8 kv heads (Llama-3.1-8B).
     expected = {(64, 4096): 1, (256, 1024): 1, (8, 32768): 9, (1, 131072): 64, (4, 300): 5, (1, 100): 2}
-    got = {key: attention._num_splits(key[0], 8, key[1], cuda0) for key in expected}
+    got = {key: attention_common._num_splits(key[0], 8, key[1], cuda0) for key in expected}
     assert got == expected
 
 
@@ -367,6 +372,7 @@ def test_decode_lazy_rescale_is_bit_identical(monkeypatch, num_splits, kv_dtype)
     sine), so a row's max moves in some tiles and stays in others; GQA 4, contexts across tile
     edges. Only launches without context splits use it (`test_split_decode_launch_is_eager`)."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     ctx = [0, 63, 64, 65, 200, 130]
     q, kc, vc, bt, sl, qsl, _, _ = make_paged_batch([1] * len(ctx), ctx, 8, 2, 64, 16, torch.float32)
@@ -396,9 +402,10 @@ def test_split_decode_launch_is_eager(monkeypatch, num_splits, lazy):
     """Lazy rescale is compiled into launches without context splits only: with splits (long
     contexts at small batch) it measured 6-8% slower on an H200 (BENCHMARKS.md seventh session)."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 
     seen = []
-    real = attention._decode_kernel
+    real = decode_attention._decode_kernel
 
     class Recorder:
         def __getitem__(self, grid):
@@ -407,7 +414,7 @@ def test_split_decode_launch_is_eager(monkeypatch, num_splits, lazy):
                 return real[grid](*a, **kw)
             return launch
 
-    monkeypatch.setattr(attention, "_decode_kernel", Recorder())
+    monkeypatch.setattr(decode_attention, "_decode_kernel", Recorder())
     monkeypatch.setitem(attention.TUNING, "decode", dict(attention.TUNING["decode"], lazy_rescale=True))
     q, kc, vc, bt, sl, qsl, _, _ = make_paged_batch([1, 1], [200, 130], 8, 2, 64, 16, torch.float32)
     out = paged_attention_triton(*_to(DEVICE, q, kc, vc, bt, sl, qsl), 0.125, 1, 201, num_splits=num_splits)

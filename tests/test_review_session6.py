@@ -184,6 +184,7 @@ def test_pivot_kernels_compile_one_variant_set_for_every_batch_size(tmp_path):
 def _decode_pair(monkeypatch, q_lens_ctx, num_heads, num_kv_heads, spike_at=None, num_splits=1):
     """(eager, lazy, reference) decode outputs on the CPU interpreter for one paged batch."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
     from kvpilot.kernels.reference import paged_attention_ref
     from test_kernels_reference import make_paged_batch
@@ -231,10 +232,11 @@ ck.install()
 ck._patch_gpu_paths()
 import torch
 from kvpilot.kernels import attention
+from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 attention.TUNING["decode"].update(batch_tma=False, batch_tma_fp8=False)  # the pointer kernel's full batch
 for lazy in (False, True):
     attention.TUNING["decode"]["lazy_rescale"] = lazy
-    cache = attention._decode_kernel.device_caches[0][0]
+    cache = decode_attention._decode_kernel.device_caches[0][0]
     before = set(cache)
     ck._attention(ck.Shard(1), [1] * 64, [1000] * 64, torch.bfloat16)()  # bf16 cache, batch 64
     ptx = [cache[k].asm["ptx"] for k in cache if k not in before]
@@ -282,6 +284,7 @@ def test_gpu_decode_lazy_rescale_is_bit_identical_at_serving_shape(monkeypatch, 
     sequences of 200-3,000 tokens, with and without splits; lazy must equal eager bit for bit.
     Expected to FAIL before the fix of test_lazy_rescale_has_the_eager_fused_multiply_adds_on_sm90."""
     from kvpilot.kernels import attention
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
 
     sys.path.insert(0, str(TESTS.parent / "benchmarks"))

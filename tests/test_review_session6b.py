@@ -82,8 +82,8 @@ def test_pdl_kernels_touch_no_global_memory_before_griddepcontrol_wait(tmp_path)
     assert "FAIL" not in out and "PDL order: ok" in out, out[-4000:]
     checked = [line for line in out.splitlines() if line.startswith("ok ")]
     kernels = {line.split()[1] for line in checked}
-    assert kernels == {"allreduce._two_rank_all_reduce_kernel", "attention._decode_kernel",
-                       "attention._reduce_kernel", "attention._rotary_decode_kernel", "gemv._gemv_kernel",
+    assert kernels == {"allreduce._two_rank_all_reduce_kernel", "decode_attention._decode_kernel",
+                       "decode_attention._reduce_kernel", "fused_decode_attention._rotary_decode_kernel", "gemv._gemv_kernel",
                        "gemv._gemv_tma_kernel", "kv_cache._rotary_write_kv_kernel",
                        "pointwise._rms_norm_kernel"}, kernels
     # The pipelined tl.dot GEMV (M = 8: BLOCK_M=16, 3 stages of cp.async) is among them, and the

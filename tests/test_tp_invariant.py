@@ -343,10 +343,12 @@ def test_launch_kv_heads_computes_each_shard_as_alone(monkeypatch, kind):
 
     from kvpilot.kernels import attention as A
 
+    from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
+
     seen = {"decode": [], "prefill": []}
-    num_splits, prefill_num_splits = A._num_splits, A.prefill_num_splits
-    monkeypatch.setattr(A, "_num_splits", lambda n, kv, *a: seen["decode"].append(kv) or num_splits(n, kv, *a))
-    monkeypatch.setattr(A, "prefill_num_splits",
+    num_splits, prefill_num_splits = attention_common._num_splits, prefill_attention.prefill_num_splits
+    monkeypatch.setattr(attention_common, "_num_splits", lambda n, kv, *a: seen["decode"].append(kv) or num_splits(n, kv, *a))
+    monkeypatch.setattr(prefill_attention, "prefill_num_splits",
                         lambda n, bq, kv, sms: seen["prefill"].append(kv) or prefill_num_splits(n, bq, kv, sms))
     if kind == "decode":  # one sequence, 300 keys: 4 KV heads -> 4 splits on the interpreter's 4 "SMs", 2 -> 5
         q_lens, ctx, heads, kv = [1], [299], 4, 4
@@ -370,7 +372,7 @@ def test_launch_kv_heads_computes_each_shard_as_alone(monkeypatch, kind):
         assert num_splits(1, kv, int(sl.max()), q.device) != num_splits(1, shard_kv, int(sl.max()), q.device)
         assert not torch.equal(plain, want)  # measured: 4 instead of 5 splits move fp32 outputs by ~4e-8
     else:  # (the interpreter's prefill outputs happen to agree with 1 and 16 splits here)
-        bq = A.prefill_block_q(heads // kv)[0]
+        bq = prefill_attention.prefill_block_q(heads // kv)[0]
         assert prefill_num_splits(8, bq, kv, 4) != prefill_num_splits(8, bq, shard_kv, 4)
     with pytest.raises(ValueError, match="launch_kv_heads must be a positive divisor"):
         A.paged_attention_triton(q, kc, vc, *args, launch_kv_heads=3)

@@ -113,7 +113,7 @@ def ceilings(info: dict, dev: str, tiny: bool) -> None:
 
 
 def stories_golden(info: dict, dev: str) -> None:
-    from engine_helpers import GOLDEN
+    from support.engine import GOLDEN
     from kvpilot import LLM, KvCacheConfig, SamplingParams
     from kvpilot.tools.convert_llama2c import ensure_stories260k
 

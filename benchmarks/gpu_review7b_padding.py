@@ -129,9 +129,9 @@ def check_padding(model: Path, device: str, steps: int) -> tuple[bool, list[str]
                          max_num_tokens=1024, max_batch_size=max_bs, max_seq_len=max_seq, device=device,
                          dtype="bfloat16")
     pg = runner.prefill_graphs
-    if device == "cpu":  # dry run: the CPU double of the prefill graphs (tests/graph_helpers.py)
+    if device == "cpu":  # dry run: the CPU double of the prefill graphs (tests/support/graphs.py)
         sys.path.insert(0, str(HERE.parent / "tests"))
-        from graph_helpers import cpu_graph_class
+        from support.graphs import cpu_graph_class
 
         pg = cpu_graph_class(PrefillGraphs)(runner)
         pg.capture()

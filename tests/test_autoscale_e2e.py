@@ -28,7 +28,7 @@ from kvpilot.operator import autoscale_daemon  # noqa: F401  (registers the daem
 from kvpilot.operator.apply import resource_path
 from kvpilot.operator.scrape import parse_metrics
 from kvpilot.server.launcher import ServerProcess
-from operator_harness import NAMESPACE, make_cr, operator_env  # noqa: F401  (fixture)
+from support.operator_harness import NAMESPACE, make_cr, operator_env  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -136,7 +136,7 @@ def test_kv_cache_manager_tables_through_the_mirror():
 
 def test_runner_prepare_reads_the_mirror(tmp_path):
     """The eager input path gives the same slots and tables as a rebuild, across steps where tables grow."""
-    from engine_helpers import make_tiny_llama
+    from support.engine import make_tiny_llama
     from kvpilot import LLM, KvCacheConfig
 
     path = make_tiny_llama(tmp_path / "m", seed=3, layers=1)
@@ -167,9 +167,9 @@ def test_decode_graph_buffers_across_steps_on_cpu(tmp_path):
     """`DecodeGraphs.prepare` over steps whose tables grow in place, get replaced (preemption) and
     change order: the static buffers equal a rebuild, and the replayed logits equal eager ones."""
     import torch
-    from block_table_helpers import DecodeTables, copies
-    from engine_helpers import make_tiny_llama
-    from graph_helpers import cpu_graph_class
+    from support.block_tables import DecodeTables, copies
+    from support.engine import make_tiny_llama
+    from support.graphs import cpu_graph_class
     from kvpilot import LLM, KvCacheConfig
     from kvpilot.runner.cuda_graphs import DecodeGraphs
 
@@ -241,7 +241,7 @@ def test_runner_inputs_are_16_byte_aligned(tmp_path):
     """Every input tensor of an eager step starts on a 16-byte boundary (Triton compiles a separate
     kernel variant for a misaligned pointer), whatever the token and sequence counts, and holds
     exactly its own values."""
-    from engine_helpers import make_tiny_llama
+    from support.engine import make_tiny_llama
     from kvpilot import LLM, KvCacheConfig
 
     path = make_tiny_llama(tmp_path / "m", seed=3, layers=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import GOLDEN
+from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
 from kvpilot.core.detokenizer import hold_back_len
 from kvpilot.core.engine_core import async_output_enabled

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import GOLDEN, make_tiny_llama
+from support.engine import GOLDEN, make_tiny_llama
 from test_engine_async_output import _choice, _close
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
 from kvpilot.core.engine_core import async_scheduling_enabled
@@ -349,7 +349,7 @@ def tiny_dir(tmp_path_factory):
 def _tiny_with_cpu_graphs(path):
     """The tiny random Llama with the CUDA-graph sets' CPU doubles: decode steps replay into a
     static logits buffer that the next replay overwrites, as on a GPU."""
-    from graph_helpers import cpu_graph_class
+    from support.graphs import cpu_graph_class
     from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 
     llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", max_batch_size=6, max_num_tokens=64,

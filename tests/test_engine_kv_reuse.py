@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine_helpers import GOLDEN
+from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.core.kv_cache_manager import KVCacheManager
 from kvpilot.sampling_params import SamplingParams as SP

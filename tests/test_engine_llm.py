@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
+from support.engine import GOLDEN, hf_greedy, make_tiny_llama
 from kvpilot import LLM, KvCacheConfig, RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import GOLDEN
+from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
 
 

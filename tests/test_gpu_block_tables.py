@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from block_table_helpers import DecodeTables, copies
-from engine_helpers import make_tiny_llama
+from support.block_tables import DecodeTables, copies
+from support.engine import make_tiny_llama
 from kvpilot import LLM, KvCacheConfig
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

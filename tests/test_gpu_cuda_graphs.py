@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
-from graph_helpers import cpu_graph_class
+from support.engine import GOLDEN, hf_greedy, make_tiny_llama
+from support.graphs import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.runner.model_runner import ScheduledSeq
 

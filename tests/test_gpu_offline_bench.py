@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, make_tiny_llama
+from support.engine import hf_greedy, make_tiny_llama
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.tools.bench_offline import add_subcommands, auto_concurrency, random_prompts, run_latency, run_throughput
 from kvpilot.runner.model_runner import ScheduledSeq

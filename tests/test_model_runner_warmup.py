@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import GOLDEN
+from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.runner.model_runner import ModelRunner, warm_up_enabled
 

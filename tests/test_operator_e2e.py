@@ -8,7 +8,7 @@ import datetime
 import pytest
 
 from kvpilot.operator.render import render
-from operator_harness import NAMESPACE, make_cr, operator_env  # noqa: F401  (fixture)
+from support.operator_harness import NAMESPACE, make_cr, operator_env  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 

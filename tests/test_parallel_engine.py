@@ -9,8 +9,8 @@ also checked against transformers.
 from __future__ import annotations
 
 import pytest
-from engine_helpers import GOLDEN, hf_greedy, make_tiny_llama
-from parallel_helpers import (TINY_PROMPTS, TINY_STEPS, run_stories_workload, run_tiny_workload,
+from support.engine import GOLDEN, hf_greedy, make_tiny_llama
+from support.parallel import (TINY_PROMPTS, TINY_STEPS, run_stories_workload, run_tiny_workload,
                               stories_kv_config)
 
 from kvpilot import LLM

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_helpers import cpu_graph_class
-from parallel_exact_helpers import BLOCK, DECODE_STEPS, PROMPTS, pp_padding_rank, spawn_ranks, tp_reduce_rank
+from support.graphs import cpu_graph_class
+from support.parallel_exact import BLOCK, DECODE_STEPS, PROMPTS, pp_padding_rank, spawn_ranks, tp_reduce_rank
 from test_llama_fused_gemv import _checkpoint
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig

@@ -10,7 +10,7 @@ import textwrap
 import time
 
 import pytest
-from parallel_helpers import lws_worker_pod, run_tiny_workload
+from support.parallel import lws_worker_pod, run_tiny_workload
 
 from kvpilot import LLM, EngineDeadError, RequestError, SamplingParams
 from kvpilot.runner.model_runner import ScheduledSeq
@@ -102,7 +102,7 @@ def test_leader_worker_set_group_from_env(tmp_path, tiny_model_dir, tiny_single_
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from engine_helpers import make_tiny_llama
+    from support.engine import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_lws"), seed=5, vocab=385, layers=3)
 

@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 import pytest
 import torch
-from engine_helpers import GOLDEN
+from support.engine import GOLDEN
 
 from kvpilot import LLM, EngineDeadError, KvCacheConfig, RequestAborted, SamplingParams
 from kvpilot.runner.model_runner import ScheduledSeq

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_helpers import make_tiny_llama
-from graph_helpers import cpu_graph_class
+from support.engine import make_tiny_llama
+from support.graphs import cpu_graph_class
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs
@@ -137,8 +137,8 @@ _REPLAYS = [1, 3, 2, 2, 2, 3]
 def test_pipeline_worker_stage_graphs_match_eager(model_dir):
     from kvpilot.parallel.executor import make_worker_spec
     from kvpilot.parallel.worker import split_microbatches
-    from parallel_exact_helpers import spawn_ranks
-    from stage_graph_helpers import stage_graph_rank
+    from support.parallel_exact import spawn_ranks
+    from support.stage_graphs import stage_graph_rank
 
     plans = _plans()
     assert [len(mb) for mb in split_microbatches(plans[1], 3)] == [3, 3, 3]

@@ -4,8 +4,8 @@ engine's greedy output stays that of the single-process engine."""
 from __future__ import annotations
 
 import pytest
-from engine_helpers import make_tiny_llama
-from parallel_helpers import TINY_PROMPTS, run_tiny_workload
+from support.engine import make_tiny_llama
+from support.parallel import TINY_PROMPTS, run_tiny_workload
 
 from kvpilot import LLM
 

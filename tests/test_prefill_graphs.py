@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine_helpers import make_tiny_llama
-from graph_helpers import cpu_graph_class
+from support.engine import make_tiny_llama
+from support.graphs import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all, default_token_buckets
 from kvpilot.runner.model_runner import ScheduledSeq

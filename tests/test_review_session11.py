@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tp_invariant_helpers import make_gqa_llama
+from support.tp_invariant import make_gqa_llama
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.model_runner import ModelRunner

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_helpers import make_tiny_llama
+from support.engine import make_tiny_llama
 from test_parallel_sampled import _FrontEndDraws
 from test_review_session9 import _build, _script, _shutdown
 

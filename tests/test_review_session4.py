@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from parallel_helpers import lws_worker_pod, run_tiny_workload
+from support.parallel import lws_worker_pod, run_tiny_workload
 
 from kvpilot import LLM, EngineDeadError
 

@@ -7,7 +7,7 @@ late PDL trigger (kernels/gemv.py, kernels/pdl.py).
 Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
 fix is); the others pin behaviour the review checked and found right. CPU only: the tiny random
 Llama of tests/test_llama_fused_gemv.py, the CPU doubles of the CUDA-graph sets
-(tests/graph_helpers.py) and, for pipeline parallelism, two gloo ranks (tests/parallel_exact_helpers.py).
+(tests/support/graphs.py) and, for pipeline parallelism, two gloo ranks (tests/support/parallel_exact.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_helpers import cpu_graph_class
-from parallel_exact_helpers import BLOCK, pp_padding_rank, spawn_ranks
+from support.graphs import cpu_graph_class
+from support.parallel_exact import BLOCK, pp_padding_rank, spawn_ranks
 from test_llama_fused_gemv import _checkpoint
 from test_parallel_exactness import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, _runner
 from kvpilot.config import KvCacheConfig

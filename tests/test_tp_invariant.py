@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel_exact_helpers import DECODE_STEPS, spawn_ranks
-from tp_invariant_helpers import invariant_rank, make_gqa_llama
+from support.parallel_exact import DECODE_STEPS, spawn_ranks
+from support.tp_invariant import invariant_rank, make_gqa_llama
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.model_runner import ModelRunner

@@ -143,7 +143,7 @@ def pp_padding_rank(rank: int, spec, buckets: list[int], plans: list, conn) -> N
     rows) per step] (last stage), "single_graph_steps": prefill graph replays of the single runner}."""
     import torch.distributed as dist
 
-    from graph_helpers import cpu_graph_class
+    from support.graphs import cpu_graph_class
     from kvpilot.runner.cuda_graphs import PrefillGraphs
     from kvpilot.parallel.worker import Worker
 

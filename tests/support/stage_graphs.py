@@ -12,7 +12,7 @@ import traceback
 
 import torch
 
-from graph_helpers import cpu_graph_class
+from support.graphs import cpu_graph_class
 
 
 def stage_graph_rank(rank: int, spec, plans: list, conn) -> None:

@@ -2,7 +2,7 @@
 
 Reusable by any operator e2e test (the autoscaler's too)::
 
-    from operator_harness import operator_env  # noqa: F401  (the fixture)
+    from support.operator_harness import operator_env  # noqa: F401  (the fixture)
 
     async def test_something(operator_env):
         await operator_env.start()

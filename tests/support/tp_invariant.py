@@ -43,7 +43,7 @@ SINGLE_CASES = [(None, "1"), ("2", "1"), ("2", "0"), ("4", "1"), ("4", "0")]
 
 
 def _build(model_dir: str, dtype: str, pc, invariant, fused: str):
-    from parallel_exact_helpers import _runner
+    from support.parallel_exact import _runner
 
     if invariant is None:
         os.environ.pop("KVPILOT_TP_INVARIANT", None)
@@ -63,7 +63,7 @@ def invariant_rank(rank: int, init_method: str, model_dir: str, world: int, conn
     process. Results: {"tp": {case: (logits, tokens, layer class, invariant_shards)}, "single": {case: ...}}."""
     import torch.distributed as dist
 
-    from parallel_exact_helpers import _send, greedy_steps
+    from support.parallel_exact import _send, greedy_steps
     from kvpilot.model.llama import ParallelContext
 
     try:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 
 def _workload(beams_only: bool = False) -> list:

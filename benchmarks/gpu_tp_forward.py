@@ -2,7 +2,7 @@
 
 `gpu_tp_profile.py` times whole engine steps (front end, pipes, sampling). This script isolates the
 device side: each rank builds its `Worker` (the engine's own worker class, decode CUDA graphs and all)
-on the random Llama-3.1-8B-shaped checkpoint of ``gpu_random_model.py``, and then
+on the random Llama-3.1-8B-shaped checkpoint of ``kvpilot.tools.random_model``, and then
 
 1. ``sync step``: ``Worker.execute`` of a batch-1 decode plan followed by a device synchronisation,
    median over ``--iters`` (host launch + device time, serial);
@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 def sync() -> None:
     if torch.cuda.is_available():

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 
 def run(model: Path, tp: int, pp: int, a) -> dict:

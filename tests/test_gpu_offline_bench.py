@@ -15,8 +15,7 @@ from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.tools.bench_offline import add_subcommands, auto_concurrency, random_prompts, run_latency, run_throughput
 from kvpilot.runner.model_runner import ScheduledSeq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from gpu_random_model import TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

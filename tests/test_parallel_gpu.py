@@ -25,8 +25,7 @@ SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hid
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("par_gpu") / "m", SHAPE, device="cuda", std=0.05)
 

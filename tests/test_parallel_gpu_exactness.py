@@ -27,8 +27,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("exact_gpu") / "m", SHAPE, device="cuda", std=0.05)
 

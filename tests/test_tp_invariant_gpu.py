@@ -25,8 +25,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from gpu_random_model import LLAMA31_8B, write_random_llama
+    from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama
 
     shape = dict(LLAMA31_8B, num_hidden_layers=4)
     return write_random_llama(tmp_path_factory.mktemp("tp_invariant_gpu") / "m", shape, device="cuda")

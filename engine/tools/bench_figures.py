@@ -12,20 +12,20 @@ Figures (``FIGURES``; each returns table rows, see `Row`):
 - ``accuracy``: kvpilot against transformers (float32, CPU or GPU) on a random model of Llama-3.1-8B's
   layer shape with ``--accuracy-layers`` layers: relative L2 error of the prefill logits
   (``||kvpilot - hf|| / ||hf||``) and the share of prompts whose greedy tokens are identical.
+- ``prefill``: one 8,192-token prefill step (the runner's own step, nothing cached) in TFLOP/s, and
+  as % of the bf16 matmul rate measured in the same run (an 8192^3 product).
 - ``decode-b1``: batch-1 inter-token latency (ITL) of 128 prompt + 512 generated tokens, median of 3,
   against the bandwidth floor (weights read per step + the mean KV bytes read) / the device-to-device
   copy rate measured in the same run; also as % of the floor speed (floor ITL / ITL; target 85%).
 - ``ttft``: time to first token of a cold 4,032-token prompt, and of a request whose 4,000-token
   prefix is already cached (prefix reuse; target 10x faster), medians of 3 fresh prefixes.
-- ``prefill``: one 8,192-token prefill step (the runner's own step, nothing cached) in TFLOP/s, and
-  as % of the bf16 matmul rate measured in the same run (an 8192^3 product).
 - ``batch64``: 64 requests of 512 prompt tokens, 256 generated each, all in flight: output tok/s.
+- ``offline``: 1,000 x (1,000 in + 1,000 out), FP8 KV, requests in flight as the KV pool holds at
+  full length (`kvpilot.tools.bench_offline.run_throughput`): output tok/s (target 12,000).
 - ``http``: the OpenAI-compatible HTTP server in this process (uvicorn on a free local port) driven
   by `kvpilot.tools.bench` (streamed ``/v1/completions``, token-id prompts of 128 tokens, 128
   output tokens, ``ignore_eos``), at concurrency 1 and 64: output tok/s, TTFT p50, ITL p50.
-- ``offline``: 1,000 x (1,000 in + 1,000 out), FP8 KV, requests in flight as the KV pool holds at
-  full length (`kvpilot.tools.bench_offline.run_throughput`): output tok/s (target 12,000).
-- ``offline-bf16``: the same with a bf16 KV cache.
+- ``offline-bf16``: ``offline`` with a bf16 KV cache.
 - ``capacity``: KV-cache pool tokens of the bf16-KV engine and of the FP8 one (when it ran), against
   ``0.9 x free bytes after the profiling pass / bytes per token``.
 
@@ -406,7 +406,9 @@ def fig_serve(ctx: Context) -> list[Row]:
     s = ctx.sizes
     llm = ctx.engine("fp8")
     state = ServerState(served_model_name="bench", model_path=str(ctx.model_dir))
-    attach_engine(state, llm)
+    loggers = llm._loop.stat_loggers
+    n_loggers = len(loggers)
+    attach_engine(state, llm)  # its Prometheus stat logger is taken off again below
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="bench-serve", daemon=True)
@@ -436,6 +438,7 @@ def fig_serve(ctx: Context) -> list[Row]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        del loggers[n_loggers:]
         ctx.results["http"] = runs
     return rows
 
@@ -484,8 +487,8 @@ FIGURES: dict[str, tuple[Callable[[Context], list[Row]], str]] = {
     "decode-b1": (fig_decode_b1, "batch-1 decode ITL against the bandwidth floor (FP8 KV)"),
     "ttft": (fig_ttft, "time to first token, cold and with a cached 4,000-token prefix"),
     "batch64": (fig_batch64, "64 requests x (512 in + 256 out) at once, output tok/s"),
-    "http": (fig_serve, "the HTTP server in-process: throughput, TTFT, ITL at concurrency 1 and 64"),
     "offline": (fig_offline, "offline 1,000 x (1k in + 1k out), FP8 KV, output tok/s"),
+    "http": (fig_serve, "the HTTP server in-process: throughput, TTFT, ITL at concurrency 1 and 64"),
     "offline-bf16": (fig_offline_bf16, "offline 1,000 x (1k in + 1k out), bf16 KV, output tok/s"),
     "capacity": (fig_capacity, "KV-cache pool tokens (bf16 and FP8 KV)"),
 }

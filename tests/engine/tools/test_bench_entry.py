@@ -11,7 +11,7 @@ import pytest
 from kvpilot import cli
 from kvpilot.tools import bench_figures
 
-EXPECTED_FIGURES = ["accuracy", "prefill", "decode-b1", "ttft", "batch64", "http", "offline", "offline-bf16",
+EXPECTED_FIGURES = ["accuracy", "prefill", "decode-b1", "ttft", "batch64", "offline", "http", "offline-bf16",
                     "capacity"]
 
 

@@ -629,7 +629,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="every figure on a tiny random Llama on the CPU, in seconds (what CI runs)")
     p.add_argument("--accuracy-layers", type=int, default=2,
                    help="decoder layers of the accuracy figure's Llama-3.1-8B-shaped model (default: 2)")
-    p.add_argument("--out", default=None, help="write the rows and measurements as JSON to this file")
+    p.add_argument("--out", default=None, help="write the rows and measurements as JSON to this file (default: no file)")
 
 
 def configure_all(p: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ difference. Every Triton compile while the sweep runs is logged with its kernel 
 Writes ``gpu_concurrency.json`` and ``gpu_concurrency.png`` (median of the runs after the first)
 to ``--out``.
 
-    python3 benchmarks/gpu_concurrency.py --out $OUT [--repeats 3]
+    python3 benchmarks/lab/gpu_concurrency.py --out $OUT [--repeats 3]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ on the random Llama-3.1-8B-shaped checkpoint of ``kvpilot.tools.random_model``, 
 
 Usage (an nvidia-h200-x2; from the repository root by path, never ``python -m``)::
 
-    python3 benchmarks/gpu_tp_forward.py [--tp 1 2] [--context 512] [--iters 50]
+    python3 benchmarks/lab/gpu_tp_forward.py [--tp 1 2] [--context 512] [--iters 50]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Eighth-session review of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
+"""GPU checks of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
 shapes and dtypes, and the one-load RMSNorm pass's register cost at K = 8192 and 16384.
 
 Usage (one H200 after `pip install -e .`; under a minute):

@@ -11,7 +11,7 @@ The fma path's register accumulator holds one fp32 partial sum per weight elemen
 per SM and so the weight bytes in flight. ``vec=8`` loads each tile as ``[BLOCK_N, BLOCK_K / 8, 8]``
 and sums a thread's 16-byte vector of products at once (a ``[BLOCK_N, BLOCK_K / 8]`` accumulator),
 which frees registers for more programs per SM. (An earlier attempt, ``ksub``, reshaped 2-D tiles
-instead; Triton then moved data between threads and it ran 1.6-2.8x slower: BENCHMARKS.md, eighth session.)
+instead; Triton then moved data between threads and it ran 1.6-2.8x slower: BENCHMARKS.md, "Batch-1 GEMVs with vector-summed tiles".)
 
 ``--tp 1`` (the default):
 
@@ -78,7 +78,7 @@ def _fma_row(prologue: str, n: int, k: int) -> int:
 
 # op -> (prologue, index of its M = 1 fma row in CONFIGS[prologue], candidates)
 OPS = {
-    # The eighth session's first run tried gate_up at 8 and 16 columns x 1024 and down at 4-16 columns:
+    # A first run tried gate_up at 8 and 16 columns x 1024 and down at 4-16 columns:
     # all slower than the 2-D table (BENCHMARKS.md). Narrower tiles won for QKV and o_proj, so these
     # are the narrow ones, not yet timed.
     "gate_up": ("rmsnorm", _fma_row("rmsnorm", 28672, 4096), [

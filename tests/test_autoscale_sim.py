@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-import pathlib
 import sys
 
 import numpy as np
 import pytest
 
 from kvpilot.operator.autoscaler import ScalingPolicy
+from support.paths import BENCHMARKS
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "autoscale_sim.py"
+_PATH = BENCHMARKS / "autoscale_sim.py"
 _spec = importlib.util.spec_from_file_location("autoscale_sim", _PATH)
 sim = importlib.util.module_from_spec(_spec)
 sys.modules["autoscale_sim"] = sim  # dataclasses look their module up there

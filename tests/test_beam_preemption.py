@@ -28,166 +28,12 @@ import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, RequestTooLargeError, SamplingParams
-from kvpilot.core.kv_cache_manager import KVCacheManager
-from kvpilot.core.scheduler import Scheduler
-from kvpilot.core.sequence import Request, Sequence, SequenceStatus
+from kvpilot.core.sequence import SequenceStatus
 
-from test_sampling_beam import PROMPTS, _check, _hf_beams, tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import PROMPTS, _check, _hf_beams, tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import _SimEngine, _llm, _drive, _alone, _same_tokens# noqa: F401
 
 RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED
-
-
-# ---- scheduler level: a simulated engine -------------------------------------------------------
-def _prefix_keys(tokens: list[int]) -> list[int]:
-    """``keys[p]`` stands for ``tokens[:p + 1]``: what the K/V of position ``p`` depends on."""
-    keys, h = [], 0
-    for t in tokens:
-        h = hash((h, t))
-        keys.append(h)
-    return keys
-
-
-class _SimEngine:
-    """Drives a `Scheduler` as `EngineCore.step` does, without a model: scheduled tokens become
-    computed; a sequence whose tokens are all computed gets a new token, except that a beam request
-    gets tokens only when all of its sequences got theirs in the same step (otherwise they compute
-    their last token again, as `BeamSearch.step` makes them), and forks to its width after its
-    first token, its new beams taking the parent's full blocks (as `BeamSearch._reassign`)."""
-
-    def __init__(self, num_blocks: int, block_size: int, max_num_tokens: int, max_batch_size: int,
-                 reuse: bool) -> None:
-        self.kv = KVCacheManager(num_blocks, block_size, enable_block_reuse=reuse)
-        self.sched = Scheduler(self.kv, max_num_tokens, max_batch_size)
-        self.reqs: list[Request] = []
-        self.errors: dict[int, RequestTooLargeError] = {}
-        self.limits: dict[int, int] = {}
-        # What each KV slot holds: a key of the token prefix whose last token's K/V was written there
-        # (`_check_kv`). Shared blocks make this worth checking: a sequence must only ever attend to
-        # positions holding its own prefix's K/V, written in an earlier step.
-        self.slots: dict[int, int] = {}
-
-    def add(self, rid: int, prompt_len: int, max_tokens: int, **kw) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, **kw)
-        req = Request(rid, [1 + (rid * 7 + i) % 50 for i in range(prompt_len)], params, output=None)
-        for i in range(1 if params.use_beam_search else params.num_candidates):
-            req.seqs.append(Sequence(request=req, index=i, token_ids=list(req.prompt_token_ids), seed=i))
-        self.limits[rid] = prompt_len + max_tokens
-        self.reqs.append(req)
-        for s in req.seqs:
-            self.sched.add(s)
-        return req
-
-    def _finish(self, req: Request) -> None:
-        for s in req.seqs:
-            if s.status is not FINISHED:
-                self.sched.finish(s)
-
-    def _token(self, seq: Sequence) -> int:
-        return 3 + (seq.seq_id * 5 + len(seq.token_ids)) % 40
-
-    def step(self) -> None:
-        sched, kv = self.sched, self.kv
-        out = sched.schedule()
-        self.check(out)
-        if not out.scheduled:
-            if sched.waiting and not sched.running:  # EngineCore.step: nothing can ever run
-                head = sched.waiting[0]
-                self.errors[head.request.request_id] = sched.unfit_error(head)
-                self._finish(head.request)
-            return
-        self._check_kv(out)
-        done: dict[int, list[Sequence]] = {}
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            kv.cache_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                done.setdefault(seq.request.request_id, []).append(seq)
-        for seqs in done.values():
-            req = seqs[0].request
-            if not req.lockstep:
-                for seq in seqs:
-                    seq.token_ids.append(self._token(seq))
-                    if seq.num_tokens >= self.limits[req.request_id]:
-                        sched.finish(seq)
-                continue
-            if len(seqs) < len(req.seqs):  # a beam got no logits this step: all compute theirs again
-                for seq in seqs:
-                    seq.num_computed_tokens -= 1
-                continue
-            self._advance_lockstep(req)
-
-    def _advance_lockstep(self, req: Request) -> None:
-        """Every beam of ``req`` got its logits this step: append their tokens (and fork)."""
-        kv = self.kv
-        for seq in list(req.seqs):
-            seq.token_ids.append(self._token(seq))
-        if req.seqs[0].num_tokens >= self.limits[req.request_id]:
-            self._finish(req)
-            return
-        forks = []
-        while len(req.seqs) < req.max_num_seqs:  # the first step forks the beam to its width
-            parent = req.seqs[0]
-            full = parent.block_table[:parent.num_computed_tokens // kv.block_size]
-            for bid in full:
-                kv.blocks[bid].ref_count += 1  # held by the parent: never in the free queue
-            fork = Sequence(request=req, index=len(req.seqs), token_ids=list(parent.token_ids), seed=0,
-                            block_table=list(full), num_computed_tokens=len(full) * kv.block_size,
-                            num_cached_blocks=min(parent.num_cached_blocks, len(full)))
-            fork.status = RUNNING
-            forks.append(fork)
-            req.seqs.append(fork)
-        self.sched.add_forks(forks)  # as `BeamSearch._reassign`
-
-    def _check_kv(self, out) -> None:
-        """Each scheduled sequence attends to its positions before this step's tokens: their slots
-        must hold its own prefix's K/V, written in an earlier step; no slot is written twice in one
-        step. Then this step's writes are recorded."""
-        B = self.kv.block_size
-        written: dict[int, tuple[int, int]] = {}
-        for seq, n in out.scheduled:
-            keys = _prefix_keys(seq.token_ids)
-            table, start = seq.block_table, seq.num_computed_tokens
-            for p in range(start):
-                slot = table[p // B] * B + p % B
-                assert self.slots.get(slot) == keys[p], (seq.request.request_id, seq.seq_id, p, "stale KV")
-            for p in range(start, start + n):
-                slot = table[p // B] * B + p % B
-                assert slot not in written, (seq.seq_id, p, "slot written twice in one step", written[slot])
-                written[slot] = (seq.seq_id, keys[p])
-        for slot, (_, key) in written.items():
-            self.slots[slot] = key
-
-    def check(self, out) -> None:
-        sched, kv = self.sched, self.kv
-        assert out.num_tokens <= sched.max_num_tokens
-        running = sched.running
-        for seq, n in out.scheduled:
-            assert seq.status is RUNNING and n > 0
-            assert len(seq.block_table) * kv.block_size >= seq.num_computed_tokens + n
-        reserved = sum(r.max_num_seqs for r in self.reqs if r.lockstep and any(s.status is RUNNING for s in r.seqs))
-        plain = sum(1 for s in running if not s.request.lockstep)
-        assert plain + reserved <= sched.max_batch_size
-        for req in self.reqs:
-            if req.lockstep:
-                states = {s.status for s in req.seqs if s.status is not FINISHED}
-                assert len(states) <= 1, (req.request_id, [(s.seq_id, s.status) for s in req.seqs])
-        refs = [0] * kv.num_blocks
-        for s in list(running) + list(sched.waiting):
-            for bid in s.block_table:
-                refs[bid] += 1
-        assert refs == [b.ref_count for b in kv.blocks]
-        assert sorted(kv.free_blocks) == [i for i, r in enumerate(refs) if r == 0]
-        assert not any(s.block_table for s in sched.waiting)
-
-    def run(self, max_steps: int) -> int:
-        steps = 0
-        while self.sched.has_work:
-            steps += 1
-            assert steps <= max_steps, "livelock: " + repr([(s.request.request_id, s.status.value, s.num_tokens)
-                                                           for s in self.sched.running + list(self.sched.waiting)])
-            self.step()
-        assert self.kv.num_free_blocks == self.kv.num_blocks
-        return steps
 
 
 def test_sim_the_livelock_case_finishes():
@@ -270,37 +116,6 @@ def test_sim_beams_that_outgrow_the_pool_fail_instead_of_looping():
     assert ok.seqs[0].num_output_tokens == 10
 
 
-# ---- engine level: a tiny random Llama against transformers ----------------------------------
-def _llm(d, monkeypatch, async_scheduling: bool, pool_tokens: int, reuse: bool = True, block: int = 4,
-         max_batch_size: int = 16, max_num_tokens: int = 64) -> LLM:
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
-    llm = LLM(str(d), skip_tokenizer_init=True, device="cpu", max_batch_size=max_batch_size,
-              max_num_tokens=max_num_tokens,
-              kv_cache_config=KvCacheConfig(tokens_per_block=block, max_tokens=pool_tokens, enable_block_reuse=reuse))
-    llm._loop.stop()  # the test steps the engine itself, so that a livelock fails instead of hanging
-    assert llm._core.async_scheduling is async_scheduling
-    return llm
-
-
-def _drive(llm: LLM, items: list[tuple[list[int], SamplingParams]], max_idle: int = 40):
-    """Submit, then step until done; fail after ``max_idle`` steps in a row without a new token.
-    Returns the requests' `RequestOutput`s (``result(timeout=0)`` gives each one's result or error)."""
-    core = llm._core
-    reqs = [llm._make_request(p, sp, False) for p, sp in items]
-    for r in reqs:
-        core.add_request(r)
-    idle = last = 0
-    while core.has_work:
-        core.step()
-        core.flush_outputs()
-        total = sum(len(s.token_ids) for r in reqs for s in r.seqs)
-        idle, last = (idle + 1 if total == last else 0), total
-        assert idle < max_idle, ("livelock", len(core.scheduler.waiting), len(core.scheduler.running))
-    core.flush_outputs()
-    assert core.kv.num_used_blocks == 0  # every block of every beam came back
-    return [r.output for r in reqs]
-
-
 BEAM = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=16)
 LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, seed=5, n=2, best_of=3, max_tokens=14, ignore_eos=True)
@@ -311,29 +126,10 @@ def _mix():
             (PROMPTS[2], SEEDED)]
 
 
-def _alone(d, items: list[tuple[list[int], SamplingParams]]) -> list:
-    """Each request's result alone in a large pool (no preemption; synchronous engine)."""
-    mp = pytest.MonkeyPatch()
-    try:
-        llm = _llm(d, mp, False, pool_tokens=2048)
-        try:
-            return [_drive(llm, [item])[0].result(timeout=0) for item in items]
-        finally:
-            llm.shutdown()
-    finally:
-        mp.undo()
-
-
 @pytest.fixture(scope="module")
 def unpressured(tiny, tmp_path_factory):
     """Every request of `_mix` alone in a large pool (no preemption): the seeded and greedy results."""
     return _alone(tiny[0], _mix())
-
-
-def _same_tokens(a, b) -> None:
-    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
-    assert ([o.cumulative_logprob for o in a.outputs]
-            == pytest.approx([o.cumulative_logprob for o in b.outputs], abs=1e-4))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -25,17 +25,16 @@ recomputes only its own tokens.
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.core.beam_search import BeamSearch
 from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 
-from test_beam_preemption import _alone, _drive, _llm, _prefix_keys, _same_tokens, _SimEngine
-from test_sampling_beam import tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import _alone, _drive, _llm, _prefix_keys, _same_tokens, _SimEngine
+from support.beams import tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import _workload, _alone_then_mixed, _mix_failed
 
 FINISHED = SequenceStatus.FINISHED
 
@@ -134,75 +133,6 @@ def test_readmitted_beams_take_cached_prefix_blocks_first():
     sim.step()
     assert [(s, n) for s, n in outs[1].scheduled] == [(b0, 1), (b1, 1), (b2, 5)]
     assert all(s.status is FINISHED for s in req.seqs)
-
-
-class _BeamTreeSim(_SimEngine):
-    """`_SimEngine` whose beam requests choose their beams as a beam search does: each step ``W``
-    distinct (parent beam, token) pairs, drawn from a generator seeded by the request id and its
-    length (the same beams whatever else runs), applied by `BeamSearch._reassign` (forks take their
-    parent's full blocks, beams not chosen are dropped). Tokens from a small vocabulary and parents
-    biased towards beam 0 make beams share long prefixes."""
-
-    def __init__(self, *args, vocab: int = 4, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.vocab = vocab
-        self.search = BeamSearch(SimpleNamespace(kv=self.kv, scheduler=self.sched))
-        self.results: dict[int, list[list[int]]] = {}
-
-    def _token(self, seq: Sequence) -> int:  # plain requests: independent of sequence ids
-        return 3 + (seq.request.request_id * 7 + seq.index * 5 + len(seq.token_ids)) % 40
-
-    def _advance_lockstep(self, req: Request) -> None:
-        L = req.seqs[0].num_tokens
-        rng = random.Random(req.request_id * 100_003 + L)
-        pairs: list[tuple[int, int]] = []
-        while len(pairs) < req.max_num_seqs:
-            pair = (min(rng.randrange(len(req.seqs)), rng.randrange(len(req.seqs))), 3 + rng.randrange(self.vocab))
-            if pair not in pairs:
-                pairs.append(pair)
-        self.search._reassign(req, pairs)
-        if L + 1 >= self.limits[req.request_id]:
-            self.results[req.request_id] = [list(s.token_ids) for s in req.seqs]
-            self._finish(req)
-
-
-def _workload(rng: random.Random, num_blocks: int, B: int) -> list[tuple[int, int, dict]]:
-    items = []
-    for _ in range(rng.randint(3, 6)):
-        kind = rng.choice(["plain", "beam", "beam"])
-        prompt = rng.randint(1, num_blocks * B // 2)
-        max_tokens = rng.randint(2, num_blocks * B // 2)
-        kw = dict(use_beam_search=True, n=1, best_of=rng.randint(2, 4)) if kind == "beam" else {}
-        items.append((prompt, max_tokens, kw))
-    return items
-
-
-def _alone_then_mixed(cfg: dict, workload: list[tuple[int, int, dict]], max_steps: int,
-                      on_sim=None) -> tuple[dict, _BeamTreeSim]:
-    """Each (prompt length, max_tokens, params) of ``workload`` alone in a `_BeamTreeSim` of ``cfg``,
-    then those that finish alone all together (``on_sim(sim)`` may instrument that sim first).
-    Returns the results alone (by request id) and the mixed sim after `run` (which raises on a
-    livelock or a broken invariant); `_mix_failed` compares them."""
-    alone, items = {}, []
-    for rid, (prompt, max_tokens, kw) in enumerate(workload):
-        sim = _BeamTreeSim(**cfg)
-        sim.add(rid, prompt, max_tokens, **kw)
-        sim.run(max_steps=max_steps)
-        if not sim.errors:
-            alone[rid] = sim.results.get(rid)
-            items.append((rid, prompt, max_tokens, kw))
-    sim = _BeamTreeSim(**cfg)
-    if on_sim is not None:
-        on_sim(sim)
-    for rid, prompt, max_tokens, kw in items:
-        sim.add(rid, prompt, max_tokens, **kw)
-    sim.run(max_steps=2 * max_steps)
-    return alone, sim
-
-
-def _mix_failed(alone: dict, sim: _BeamTreeSim) -> bool:
-    """Whether a request that finished alone failed in the mix, or got other beams."""
-    return bool(sim.errors) or {rid: sim.results.get(rid) for rid in alone} != alone
 
 
 def test_sim_a_request_that_finishes_alone_finishes_in_any_mix():

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
+from support.parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 

@@ -15,6 +15,7 @@ from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
 from kvpilot.core.detokenizer import hold_back_len
 from kvpilot.core.engine_core import async_output_enabled
+from support.async_engine import _choice, _close
 
 GREEDY_LONG = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
 
@@ -68,13 +69,6 @@ def _drain(core) -> int:
         _step(core)
         steps += 1
     return steps
-
-
-def _choice(out) -> tuple:
-    """Everything a choice returns, in comparable form."""
-    return [(o.token_ids, o.text, o.finish_reason, o.stop_reason, o.cumulative_logprob,
-             [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in e.items()} for e in o.logprobs])
-            for o in out.outputs]
 
 
 def _updates(out) -> list:
@@ -399,16 +393,6 @@ def test_requests_ending_in_the_fast_part_are_bit_identical(stories_model_dir, k
     for (p, sp, _s), a, b in zip(_FAST_ENDS * 2, sync, asyn):
         assert a == b, (p, sp)
     assert {c[2] for r in sync for c in r[0]} == {"stop", "length"}
-
-
-def _close(a, b, tol=1e-4) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) <= tol
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y, tol) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k], tol) for k in a)
-    return a == b
 
 
 @pytest.mark.parametrize("kv_tokens, split", [(None, False), (128, False), (128, True)],

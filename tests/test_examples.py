@@ -9,11 +9,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from support.paths import EXAMPLES
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = EXAMPLES
 # name -> (stdin, a string its output must contain)
 CASES = {
     "quickstart": (None, "Generated:"),

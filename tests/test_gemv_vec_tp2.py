@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support.paths import BENCHMARKS
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCH = BENCHMARKS
 
 
 @pytest.fixture(scope="module")

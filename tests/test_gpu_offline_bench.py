@@ -14,8 +14,9 @@ from support.engine import hf_greedy, make_tiny_llama
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.tools.bench_offline import add_subcommands, auto_concurrency, random_prompts, run_latency, run_throughput
 from kvpilot.runner.model_runner import ScheduledSeq
+from support.paths import BENCHMARKS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 from gpu_random_model import TINY, write_random_llama  # noqa: E402
 
 

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.paths import TESTS
 
-SCRIPT = Path(__file__).with_name("compile_kernels.py")
+SCRIPT = TESTS / "compile_kernels.py"
 
 # Kernels the engine launches (the script itself also fails on any @triton.jit kernel of
 # kernels/*.py it did not compile; this list checks that its report names them).

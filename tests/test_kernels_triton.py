@@ -13,7 +13,7 @@ import torch
 
 # Sibling test module (pytest puts tests/ on sys.path): the shared paged-batch builder and the naive
 # dense attention.
-from test_kernels_reference import make_paged_batch, naive_attention
+from support.paged_attention import make_paged_batch, naive_attention
 
 from kvpilot.kernels import (
     apply_rotary_ref,

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from test_kernels_reference import make_paged_batch
+from support.paged_attention import make_paged_batch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.kernels import (

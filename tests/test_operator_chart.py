@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -13,8 +12,9 @@ import pytest
 import yaml
 
 from kvpilot.operator import crd
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 CHART = REPO / "charts" / "kvpilot"
 
 

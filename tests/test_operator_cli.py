@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import yaml
 
 from kvpilot.cli import main
 from kvpilot.operator.render import render
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 EXAMPLE = REPO / "examples" / "deployments" / "llama-3.1-405b-tp8-pp2.yaml"
 
 

@@ -4,7 +4,6 @@ CEL, evaluated with cel-python) on the example CRs and on a set of impossible on
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -12,9 +11,10 @@ import yaml
 
 from kvpilot.operator import crd
 from kvpilot.operator.render import render
-from test_operator_render import validate_all
+from support.k8s_validate import validate_all
+from support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO
 EXAMPLES = sorted((REPO / "examples" / "deployments").glob("*.yaml"))
 
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import copy
 
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
 from kvpilot.operator.crd import InvalidLLMDeployment, normalize
 from kvpilot.operator.render import render, selector_string, serving_selector
+from support.k8s_validate import validate_all# noqa: F401
 
-K8S_VERSION = "1.37.0"
 LABELS = {
     "app.kubernetes.io/name": "kvpilot",
     "app.kubernetes.io/instance": "llama",
@@ -32,56 +30,6 @@ HEALTH = {"path": "/health", "port": "http"}
 SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
-# The LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1), written from
-# kubernetes-sigs/lws api/leaderworkerset/v1/leaderworkerset_types.go: the fields, enums and
-# minimums of LeaderWorkerSetSpec. The two pod templates are validated separately against
-# Kubernetes' own PodTemplateSpec schema (see _validate_lws).
-LWS_SCHEMA = {
-    "type": "object",
-    "required": ["apiVersion", "kind", "metadata", "spec"],
-    "additionalProperties": False,
-    "properties": {
-        "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"},
-        "kind": {"const": "LeaderWorkerSet"},
-        "metadata": {"type": "object"},
-        "spec": {
-            "type": "object",
-            "required": ["leaderWorkerTemplate"],
-            "additionalProperties": False,
-            "properties": {
-                "replicas": {"type": "integer", "minimum": 0},
-                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
-                "networkConfig": {"type": "object", "properties": {"subdomainPolicy": {"enum": ["Shared", "UniquePerReplica"]}}},
-                "rolloutStrategy": {
-                    "type": "object", "required": ["type"], "additionalProperties": False,
-                    "properties": {
-                        "type": {"enum": ["RollingUpdate"]},
-                        "rollingUpdateConfiguration": {
-                            "type": "object", "additionalProperties": False,
-                            "properties": {"partition": {"type": "integer", "minimum": 0},
-                                           "maxUnavailable": {"type": ["integer", "string"]},
-                                           "maxSurge": {"type": ["integer", "string"]}},
-                        },
-                    },
-                },
-                "leaderWorkerTemplate": {
-                    "type": "object", "required": ["workerTemplate"], "additionalProperties": False,
-                    "properties": {
-                        "leaderTemplate": {"type": "object"},
-                        "workerTemplate": {"type": "object"},
-                        "size": {"type": "integer", "minimum": 1},
-                        "restartPolicy": {"enum": ["Default", "RecreateGroupOnPodRestart", "RecreateGroupAfterStart", "None"]},
-                        "subGroupPolicy": {"type": "object"},
-                        "volumeClaimTemplates": {"type": "array"},
-                        "persistentVolumeClaimRetentionPolicy": {"type": "object"},
-                    },
-                },
-            },
-        },
-    },
-}
-
-
 def cr(spec_extra: dict | None = None, **parallelism) -> dict:
     spec = {"model": {"name": MODEL}}
     if parallelism:
@@ -89,24 +37,6 @@ def cr(spec_extra: dict | None = None, **parallelism) -> dict:
     spec.update(spec_extra or {})
     return {"apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "LLMDeployment",
             "metadata": {"name": "llama", "namespace": "ml", "uid": "1234"}, "spec": spec}
-
-
-def _validate_lws(obj: dict) -> None:
-    jsonschema.validate(obj, LWS_SCHEMA)
-    if obj["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {"maxSurge": 0, "maxUnavailable": 0}:
-        raise AssertionError("LWS: maxUnavailable can not be 0 if maxSurge is 0")
-    for key in ("leaderTemplate", "workerTemplate"):
-        template = obj["spec"]["leaderWorkerTemplate"][key]
-        kubernetes_validate.validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
-                                      "template": template}, K8S_VERSION, strict=True)
-
-
-def validate_all(objects: list[dict]) -> None:
-    for obj in objects:
-        if obj["kind"] == "LeaderWorkerSet":
-            _validate_lws(obj)
-        else:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
 
 def engine_args(tp: int, pp: int) -> list[str]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_engine_async_output import _choice
-from test_engine_async_scheduling import _FILTERED, _MIX, _PENALTIES, _assert_same, _drain, _minus_ones
+from support.async_engine import _choice
+from support.async_engine import _FILTERED, _MIX, _PENALTIES, _assert_same, _drain, _minus_ones
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.parallel.executor import tp_async_enabled

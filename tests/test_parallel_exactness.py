@@ -22,16 +22,14 @@ import torch
 
 from support.graphs import cpu_graph_class
 from support.parallel_exact import BLOCK, DECODE_STEPS, PROMPTS, pp_padding_rank, spawn_ranks, tp_reduce_rank
-from test_llama_fused_gemv import _checkpoint
+from support.engine import _checkpoint
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import PrefillGraphs
-from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq, prefill_padding
+from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
+from support.parallel_exact import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, exactness_runner
 
 pytestmark = pytest.mark.timeout(300)
-
-MAX_BS, MAX_SEQ, MAX_TOKENS = 4, 64, 64
-BUCKETS = [16, 32, 48, 64]
 
 
 @pytest.fixture(scope="module")
@@ -142,12 +140,6 @@ def test_row_parallel_with_one_rank_is_the_plain_projection():
 
 # ---- padded eager prefill ------------------------------------------------------------------------
 
-def _runner(model_dir: Path, dtype: str = "float32") -> ModelRunner:
-    return ModelRunner(model_dir, ModelConfig.from_dir(model_dir), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512),
-                       max_num_tokens=MAX_TOKENS, max_batch_size=MAX_BS, max_seq_len=MAX_SEQ, device="cpu",
-                       dtype=dtype)
-
-
 def _seq(sid: int, n: int, start: int, first_block: int, **kw) -> ScheduledSeq:
     nb = -(-(start + n) // BLOCK)
     return ScheduledSeq(sid, [(7 * sid + 3 * j) % 120 + 3 for j in range(n)], start,
@@ -169,7 +161,7 @@ def _padding_cases() -> list[list[ScheduledSeq]]:
 
 
 def test_prefill_padding_decides_and_pads_as_the_prefill_graphs(plain_model):
-    runner = _runner(plain_model)
+    runner = exactness_runner(plain_model)
     graphs = cpu_graph_class(PrefillGraphs)(runner, token_buckets=BUCKETS)
     graphs.capture()
     for seqs in _padding_cases():
@@ -200,7 +192,7 @@ def test_prefill_padding_decides_and_pads_as_the_prefill_graphs(plain_model):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_padded_eager_prefill_is_the_prefill_graph_bit_for_bit(plain_model, dtype):
-    graph_runner, eager_runner = _runner(plain_model, dtype), _runner(plain_model, dtype)
+    graph_runner, eager_runner = exactness_runner(plain_model, dtype), exactness_runner(plain_model, dtype)
     graphs = cpu_graph_class(PrefillGraphs)(graph_runner, token_buckets=BUCKETS)
     graphs.capture()
     graph_runner.prefill_graphs = graphs

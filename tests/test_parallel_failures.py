@@ -14,6 +14,7 @@ from support.parallel import lws_worker_pod, run_tiny_workload
 
 from kvpilot import LLM, EngineDeadError, RequestError, SamplingParams
 from kvpilot.runner.model_runner import ScheduledSeq
+from support.parallel import tiny_model_dir, tiny_single_reference  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -99,16 +100,4 @@ def test_leader_worker_set_group_from_env(tmp_path, tiny_model_dir, tiny_single_
         assert toks == tiny_single_reference[0]
         assert lps == pytest.approx(tiny_single_reference[1], abs=1e-4)
 
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from support.engine import make_tiny_llama
-
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny_lws"), seed=5, vocab=385, layers=3)
-
-
-@pytest.fixture(scope="module")
-def tiny_single_reference(tiny_model_dir):
-    with LLM(str(tiny_model_dir), skip_tokenizer_init=True, device="cpu") as llm:
-        return run_tiny_workload(llm)
 

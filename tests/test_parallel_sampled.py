@@ -27,6 +27,7 @@ from kvpilot.runner.model_runner import ScheduledSeq
 from kvpilot.parallel.worker import MSG_IDS, RowDecoder, RowEncoder, Worker
 from kvpilot.sampling.sampler import Sampler
 from kvpilot.sampling.sampler_inputs import RECORD, SamplingRow
+from support.parallel import _FrontEndDraws
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -86,24 +87,6 @@ def _drive(llm, items, events=None) -> dict:
         except RequestAborted:
             out[k] = ("aborted", [c.token_ids for c in r.output.outputs])
     return out
-
-
-class _FrontEndDraws:
-    """Counts the rows the front end's own sampler is launched on."""
-
-    def __init__(self, sampler) -> None:
-        self.sampler, self.rows = sampler, 0
-
-    def __getattr__(self, name):
-        return getattr(self.sampler, name)
-
-    def launch(self, logits, rows):
-        self.rows += len(rows)
-        return self.sampler.launch(logits, rows)
-
-    def __call__(self, logits, rows):
-        self.rows += len(rows)
-        return self.sampler(logits, rows)
 
 
 @pytest.fixture(scope="module")

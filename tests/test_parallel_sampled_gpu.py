@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
+from support.parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 
@@ -80,7 +80,7 @@ def _mixed_events() -> dict:
 
 
 def _script_run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
-    from test_review_session9 import _script
+    from support.tp_async import _script
 
     monkeypatch.setenv("KVPILOT_TP_RANK_SAMPLING", rank_sampling)
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")

@@ -28,8 +28,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 
 
 def _free_port() -> int:

@@ -32,21 +32,21 @@ import functools
 import os
 import re
 import time
-from pathlib import Path
 
 import pytest
 from support.engine import make_tiny_llama
-from test_parallel_sampled import _FrontEndDraws
-from test_review_session9 import _build, _script, _shutdown
+from support.parallel import _FrontEndDraws
+from support.tp_async import _build, _script, _shutdown
 
 from kvpilot import LLM, EngineDeadError, KvCacheConfig, SamplingParams
 from kvpilot.outputs import RequestError
 from kvpilot.parallel.worker import RowDecoder, RowEncoder
 from kvpilot.sampling.sampler_inputs import SamplingRow
+from support.paths import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 _LONG = "Once upon a time there was a little girl named Lily. " * 9  # ~120 tokens: prefill in chunks
 
 

@@ -45,7 +45,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -53,10 +52,11 @@ import torch
 from kvpilot.kernels import gemv as G
 from kvpilot.kernels import sampling as KS
 from kvpilot.sampling.sampler import Sampler, SamplingRow, greedy_ids
+from support.paths import TESTS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
-TESTS = Path(__file__).resolve().parent
+TESTS = TESTS
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from support.parallel import lws_worker_pod, run_tiny_workload
@@ -16,7 +15,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 # The tiny model and its single-process outputs (module-scoped fixtures of the LWS tests).
-from test_parallel_failures import tiny_model_dir, tiny_single_reference  # noqa: E402, F401
+from support.parallel import tiny_model_dir, tiny_single_reference  # noqa: E402, F401
+from support.paths import BENCHMARKS
 
 
 def test_step_timing_in_a_multi_node_group_keeps_the_engine_alive(tmp_path, tiny_model_dir,
@@ -127,7 +127,7 @@ def test_gpu_dead_tp_peer_fails_requests_quickly(tmp_path, event):
     now) instead of watching the worker processes; the NCCL timeout is set far above the bound here."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(BENCHMARKS))
     from gpu_random_model import write_random_llama
 
     shape = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,

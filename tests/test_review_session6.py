@@ -31,10 +31,11 @@ from kvpilot import RequestAborted, RequestTooLargeError, SamplingParams
 from kvpilot.sampling.sampler import Sampler, SamplingRow
 from kvpilot.core.sequence import SequenceStatus
 
-from test_beam_preemption import _drive, _llm, _SimEngine
-from test_sampling_beam import PROMPTS, tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import _drive, _llm, _SimEngine
+from support.beams import PROMPTS, tiny  # noqa: F401 (tiny: the model fixture)
+from support.paths import TESTS
 
-TESTS = Path(__file__).resolve().parent
+TESTS = TESTS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
@@ -92,7 +93,7 @@ def test_pivot_every_generation_cap_equals_exact_with_bounds_checks(monkeypatch,
     ``KVPILOT_SAMPLING_CHECK=1`` (no index of any pass leaves its buffer). Every settled row equals
     the exact reference; the all -inf row is always handed to the exact path (-1); from two
     generations on every other row settles."""
-    from test_sampling_fast import _kernel_draw
+    from support.sampling import _kernel_draw
 
     monkeypatch.setenv("KVPILOT_SAMPLING_CHECK", "1")
     logits, rows = _mixed_pivot_batch()
@@ -187,7 +188,7 @@ def _decode_pair(monkeypatch, q_lens_ctx, num_heads, num_kv_heads, spike_at=None
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
     from kvpilot.kernels.reference import paged_attention_ref
-    from test_kernels_reference import make_paged_batch
+    from support.paged_attention import make_paged_batch
 
     ctx = q_lens_ctx
     q, kc, vc, bt, sl, qsl, _, _ = make_paged_batch([1] * len(ctx), ctx, num_heads, num_kv_heads, 32, 16)

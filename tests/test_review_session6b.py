@@ -34,8 +34,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.paths import TESTS
 
-TESTS = Path(__file__).resolve().parent
+TESTS = TESTS
 ROOT = TESTS.parent
 KERNELS = ROOT / "kernels"
 CHECKER = TESTS / "pdl_order_check.py"

@@ -24,9 +24,9 @@ import torch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 
-from test_beam_preemption import _alone, _drive, _llm, _same_tokens, _SimEngine
-from test_beam_readmission import _alone_then_mixed, _mix_failed, _workload
-from test_sampling_beam import tiny  # noqa: F401 (tiny: the model fixture)
+from support.beams import _alone, _drive, _llm, _same_tokens, _SimEngine
+from support.beams import _alone_then_mixed, _mix_failed, _workload
+from support.beams import tiny  # noqa: F401 (tiny: the model fixture)
 
 # Two beam requests (3 beams, 16-token prompts) as in tests/test_beam_readmission.py.
 BEAM8 = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=8, ignore_eos=True)

@@ -21,15 +21,16 @@ import torch
 
 from support.graphs import cpu_graph_class
 from support.parallel_exact import BLOCK, pp_padding_rank, spawn_ranks
-from test_llama_fused_gemv import _checkpoint
-from test_parallel_exactness import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, _runner
+from support.engine import _checkpoint
+from support.parallel_exact import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, exactness_runner
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
+from support.paths import BENCHMARKS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 from gpu_review7b_padding import RandomSchedule  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,7 +96,7 @@ def test_rank_buckets_are_the_single_gpu_prefill_graphs_buckets(model_dir, monke
     if not (cuda_graphs_enabled() and prefill_graphs_enabled()):  # one GPU captures none (`ModelRunner`)
         assert got is None
         return
-    graphs = cpu_graph_class(PrefillGraphs)(_runner(model_dir))
+    graphs = cpu_graph_class(PrefillGraphs)(exactness_runner(model_dir))
     assert got == graphs.token_buckets and got[-1] == min(MAX_TOKENS, int(env.get("KVPILOT_PREFILL_GRAPH_TOKENS", 256)))
 
 
@@ -106,7 +107,7 @@ def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir,
     engine that had ignored the variable before e378c58 failed to start. Fix: the ranks follow one
     GPU: a warning, and no padding (one GPU has no prefill graph to match)."""
     monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "lots")
-    runner = _runner(model_dir)
+    runner = exactness_runner(model_dir)
     with caplog.at_level(logging.WARNING):
         dg, pg = capture_all(runner, prefill=True, decode_cls=cpu_graph_class(DecodeGraphs),
                              prefill_cls=cpu_graph_class(PrefillGraphs))
@@ -126,7 +127,7 @@ def test_padded_eager_steps_equal_prefill_graph_replays_over_a_random_run(model_
     double), bit for bit, and leaves the same KV cache: padded tokens write no slot and padded
     sequences read none. (benchmarks/gpu_review7b_padding.py checks the same on an H200, with cuBLAS
     and the Triton attention kernels.)"""
-    graph_runner, eager_runner = _runner(model_dir), _runner(model_dir)
+    graph_runner, eager_runner = exactness_runner(model_dir), exactness_runner(model_dir)
     graphs = cpu_graph_class(PrefillGraphs)(graph_runner, token_buckets=BUCKETS)
     graphs.capture()
     graph_runner.prefill_graphs = graphs

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import rms_norm_ref, silu_and_mul_ref
 from kvpilot.kernels import gemv as G
+from support.paths import BENCHMARKS
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -189,7 +189,7 @@ def test_table_keeps_vec_and_early_weight_on_batch_one_rows_only():
 
 # ---- GPU: the launch table at other models' shapes, shards and dtypes ---------------------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 from gpu_gemv_review8 import MODELS, check_model  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
+from support.parallel_gpu import SHAPE, model_dir  # noqa: F401  (the module fixture)
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 

@@ -3,51 +3,13 @@ random Llama, in plain runs, mixed batches, small KV blocks and under preemption
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvpilot import KvCacheConfig, LLM, SamplingParams
+from support.beams import PROMPTS, tiny, _hf_beams, _check  # noqa: F401  (fixtures)
 
 EOS, PAD = 2, 0
-PROMPTS = [[1, 5, 9, 11], [1, 40, 41], [1, 7]]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, LlamaForCausalLM]:
-    torch.manual_seed(0)
-    # initializer_range 0.2 makes the distributions peaked enough that float32 rounding of a
-    # different (paged) attention never reorders two candidates.
-    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      initializer_range=0.2, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    d = tmp_path_factory.mktemp("tiny_llama")
-    model.save_pretrained(d)
-    return d, model
-
-
-def _hf_beams(model, prompt, width, n, length_penalty, max_tokens):
-    out = model.generate(torch.tensor([prompt]), num_beams=width, num_return_sequences=n,
-                         length_penalty=length_penalty, max_new_tokens=max_tokens, do_sample=False,
-                         early_stopping=False, return_dict_in_generate=True, output_scores=True,
-                         pad_token_id=PAD, eos_token_id=EOS)
-    return [out.sequences[i, len(prompt):].tolist() for i in range(n)], out.sequences_scores.tolist()
-
-
-def _check(out, ref_seqs, ref_scores, length_penalty):
-    assert len(out.outputs) == len(ref_seqs)
-    for o, hf, score in zip(out.outputs, ref_seqs, ref_scores):
-        # HF pads finished hypotheses with pad_token_id, or EOS when the pad id is 0.
-        assert hf[:len(o.token_ids)] == o.token_ids
-        assert all(t in (PAD, EOS) for t in hf[len(o.token_ids):])
-        assert o.cumulative_logprob / len(o.token_ids) ** length_penalty == pytest.approx(score, abs=1e-3)
-        assert o.finish_reason == ("stop" if o.token_ids[-1] == EOS else "length")
-
-
 CASES = [(4, 2, 1.0, 12), (3, 3, 0.5, 20), (2, 1, 2.0, 30), (5, 5, -1.0, 16)]
 
 

@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 
-from kvpilot.sampling.sampler import Sampler, SamplingRow, _Draw, top_k_top_p_min_p
+from kvpilot.sampling.sampler import Sampler, SamplingRow, top_k_top_p_min_p
+from support.sampling import _kernel_draw
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -41,25 +42,6 @@ def _batch(seed: int, S: int, V: int, step: int = 0):
                         seed=int(torch.randint(0, 2 ** 62, (1,), generator=g)) - 2 ** 61, step=step)
             for _ in range(S)]
     return logits, rows
-
-
-def _kernel_draw(logits, rows, n_pivot="engine", **config):
-    """Raw output of kvpilot.kernels.sampling.draw (-1 = handed to the exact path), the rows laid out
-    as the engine's sampler sends them (``n_pivot="engine"``: its count of pivot rows), or with
-    any other ``n_pivot`` (None: draw finds them), under ``CONFIG`` overrides ``config``."""
-    from kvpilot.kernels import sampling as ks
-
-    saved = dict(ks.CONFIG)
-    ks.CONFIG.update(config)
-    try:
-        d = _Draw(rows, logits.shape[1])
-        fprm, iprm, order = d.tensors(logits.device)
-        n = len(d.plain) + len(d.greedy)
-        return ks.draw(logits, fprm, iprm, order[:n], order[n:],
-                       n_pivot=d.n_pivot if n_pivot == "engine" else n_pivot).tolist()
-    finally:
-        ks.CONFIG.clear()
-        ks.CONFIG.update(saved)
 
 
 # A kernel storing `_topk_in_window`'s mask (helpers are callable only from kernels; the interpreter

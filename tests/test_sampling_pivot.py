@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvpilot.sampling.sampler import Sampler, SamplingRow, _Draw
-from test_sampling_fast import _kernel_draw as _draw
+from support.sampling import _kernel_draw as _draw
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="runs the Triton kernels in the interpreter")

@@ -339,7 +339,7 @@ def test_launch_kv_heads_computes_each_shard_as_alone(monkeypatch, kind):
     """One call over two shards' heads with ``launch_kv_heads`` = one shard's count returns, bit for
     bit, the per-shard calls' heads; the split heuristics see one shard's count (with all heads the
     decode batch and the prefill step would take fewer context splits)."""
-    from test_kernels_reference import make_paged_batch
+    from support.paged_attention import make_paged_batch
 
     from kvpilot.kernels import attention as A
 

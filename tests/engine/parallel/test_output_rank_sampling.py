@@ -108,7 +108,7 @@ def test_sync_go_steps_with_step_timing_from_another_thread(stories_model_dir, g
     """tests/test_review_session9.py's step-timing deadlock test (`generate` on the engine thread while
     another thread asks for step timing) with its seeded requests on ``SYNC_GO`` steps again: with
     ``logprobs=0`` the front end samples every step, as that test was written for."""
-    import test_review_session9 as s9
+    import test_tp_async_steps as s9
 
     built, real_build = [], s9._build
 
@@ -295,7 +295,7 @@ def test_a_worker_killed_while_tokens_are_drawn(stories_model_dir, monkeypatch, 
     """tests/test_review_session9.py's killed-worker test on both paths: the output rank killed while
     it draws the tokens (``SYNC_SELF``), rank 1 killed while plans wait for the front end's
     (``SYNC_GO``, ``logprobs=0``): `generate` fails within seconds and no worker is left."""
-    import test_review_session9 as s9
+    import test_tp_async_steps as s9
 
     built, real_build = [], s9._build
 

@@ -40,11 +40,7 @@ serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside 
 
 from __future__ import annotations
 
-import ast
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -52,11 +48,9 @@ import torch
 from kvpilot.kernels import gemv as G
 from kvpilot.kernels import sampling as KS
 from kvpilot.sampling.sampler import Sampler, SamplingRow, greedy_ids
-from support.paths import TESTS
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 interpret = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels under TRITON_INTERPRET=1")
-TESTS = TESTS
 
 
 @pytest.fixture
@@ -170,172 +164,6 @@ def test_only_the_triton_backends_reach_the_arg_max_kernel(monkeypatch, backend,
     rows = [SamplingRow(temperature=0.0) for _ in range(3)]
     assert Sampler(backend).choose(x, rows) == torch.argmax(x, dim=-1).tolist()
     assert len(seen) == calls
-
-
-# ---- 4. the tma kind's contract -----------------------------------------------------------------
-def test_tma_configs_refused_when_no_launch_can_run_them():
-    with pytest.raises(ValueError, match="block_k <= 512"):
-        G.launch_config("tma", 1, 16, 1024)
-    with pytest.raises(ValueError, match="late_trigger"):
-        G.launch_config("fma", 1, 8, 1024, late_trigger=True)
-    with pytest.raises(ValueError, match="late_trigger"):
-        G.launch_config("dot", 16, 32, 256, late_trigger=True)
-    assert G.launch_config("tma", 1, 16, 512, late_trigger=True)["late_trigger"]
-
-
-@interpret
-def test_tma_explicit_config_with_no_rows_returns_the_empty_result():
-    w = torch.randn(24, 64, dtype=torch.float16)
-    x = torch.empty(0, 64, dtype=torch.float16)
-    for kind in ("fma", "tma"):
-        y = G.gemv_triton(x, w, config=G.launch_config(kind, 1, 8, 32))
-        assert y.shape == (0, 24) and y.dtype == torch.float16, kind
-    y, h = G.rmsnorm_gemv_triton(x, x, torch.ones(64, dtype=torch.float16), 1e-5, w,
-                                 config=G.launch_config("tma", 1, 8, 32))
-    assert y.shape == (0, 24) and h.shape == (0, 64)
-
-
-@interpret
-def test_tma_refusal_names_the_condition():
-    cfg = G.launch_config("tma", 1, 16, 32)
-    x = torch.randn(1, 96, dtype=torch.float16)
-    base = torch.randn(24, 136, dtype=torch.float16)
-    with pytest.raises(ValueError, match="16-byte aligned base"):
-        G.gemv_triton(x, base[:, 1:97], config=cfg)  # row stride 272 bytes, base 2 bytes off
-    with pytest.raises(ValueError, match="M = 1"):
-        G.gemv_triton(torch.randn(2, 96, dtype=torch.float16), base[:, :96], config=cfg)
-    with pytest.raises(ValueError, match="16 bytes"):
-        G.gemv_triton(x, base[:, :96], config=G.launch_config("tma", 1, 16, 4))
-    with pytest.raises(ValueError, match="16-bit"):
-        G.gemv_triton(x.float(), base[:, :96].float(), config=cfg)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-@interpret
-def test_tma_rmsnorm_k_tile_pass_and_column_sliced_weights(monkeypatch):
-    """K > NORM_ONE_LOAD_MAX (a hidden size of 8192 on the GPU) takes the kernel's K-tile RMSNorm
-    pass, where program 0 writes h tile by tile; a weight that is a column slice of a wider matrix
-    must read zeros past K (TMA bounds), not the next columns (NaN here)."""
-    monkeypatch.setattr(G, "NORM_ONE_LOAD_MAX", 32)
-    g = torch.Generator().manual_seed(7)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(torch.float16)  # noqa: E731
-    wide = rnd(40, 128) / 10
-    wide[:, 96:] = float("nan")
-    w = wide[:, :96]
-    x, res, nw, b = rnd(1, 96), rnd(1, 96), 1 + 0.1 * rnd(96), rnd(40)
-    cfg = G.launch_config("tma", 1, 16, 64, num_stages=2)
-    y, h = G.rmsnorm_gemv_triton(x, res, nw, 1e-5, w, b, config=cfg)
-    y_ref, h_ref = G.rmsnorm_gemv_ref(x, res, nw, 1e-5, w, b)
-    assert torch.equal(h, h_ref)
-    assert _rel(y, y_ref) < 1e-3
-    y = G.rmsnorm_gemv_triton(x, None, nw, 1e-5, w, config=cfg)
-    assert _rel(y, G.rmsnorm_gemv_ref(x, None, nw, 1e-5, w)) < 1e-3
-    small_w, small_x = rnd(5, 24), rnd(1, 24)  # N < block_n, K < block_k
-    assert _rel(G.gemv_triton(small_x, small_w, config=cfg), G.gemv_ref(small_x, small_w)) < 1e-3
-
-
-@interpret
-def test_tma_table_row_falls_back_for_a_misaligned_weight_base(monkeypatch):
-    rows = [(1, 0, G.launch_config("tma", 1, 16, 32)), (1, 0, G.launch_config("fma", 1, 8, 32)),
-            (16, 0, G.launch_config("fma", 16, 8, 32))]
-    monkeypatch.setitem(G.CONFIGS, "plain", rows)
-    base = torch.randn(24, 136, dtype=torch.float16)
-    w = base[:, 1:97]
-    x = torch.randn(1, 96, dtype=torch.float16)
-    assert _rel(G.gemv_triton(x, w), G.gemv_ref(x, w)) < 1e-3
-    monkeypatch.setenv("KVPILOT_GEMV_TMA", "0")  # the switch: the table's fma row, same values
-    assert _rel(G.gemv_triton(x, base[:, :96]), G.gemv_ref(x, base[:, :96])) < 1e-3
-
-
-# ---- the PDL checker's cvta exemption ----------------------------------------------------------
-def _ptx_problems():
-    """``ptx_problems`` of tests/pdl_order_check.py without importing it (the import removes
-    TRITON_INTERPRET from this process's environment and installs compile-only machinery)."""
-    src = (TESTS / "pdl_order_check.py").read_text()
-    wanted = {"_PTX_MEM", "_PTX_OK_SPACES", "_PTX_LOADS", "_ptx_instructions", "ptx_problems"}
-    body = [n for n in ast.parse(src).body
-            if (isinstance(n, ast.FunctionDef) and n.name in wanted)
-            or (isinstance(n, ast.Assign) and any(getattr(t, "id", None) in wanted for t in n.targets))]
-    assert len(body) == len(wanted)
-    ns: dict = {"re": re}
-    exec(compile(ast.Module(body=body, type_ignores=[]), "pdl_order_check.py", "exec"), ns)  # noqa: S102
-    return ns["ptx_problems"]
-
-
-def _ptx(*before: str) -> str:
-    lines = "\n".join(f"\t{s}" for s in before)
-    return (f".visible .entry k(\n.param .u64 k_param_0\n)\n{{\n{lines}\n\tgriddepcontrol.launch_dependents;\n"
-            f"\tgriddepcontrol.wait;\n\tld.global.b32 %r9, [%rd2];\n\tret;\n}}\n")
-
-
-def test_pdl_checker_allows_address_conversions_only():
-    problems = _ptx_problems()
-    ok = ("ld.param.b64 %rd2, [k_param_0];", "mov.b32 %r53, k_param_3;", "cvt.u64.u32 %rd15, %r53;",
-          "cvta.param.u64 %rd22, %rd15;", "cvta.shared.u64 %rd23, %rd15;")
-    assert problems(_ptx(*ok), "k") == []
-    bad = {
-        "ld.u64 %rd24, [%rd22];": "memory access",  # a generic load through the converted address
-        "prefetch.tensormap [%rd22];": "memory access",
-        "cvta.to.global.u64 %rd3, %rd2;": "memory access",  # (conservative: global is never exempt)
-        "ld.global.nc.b32 %r1, [%rd2];": "memory access",
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-        "[%r1], [%rd22, {%r2, %r3}], [%r4];": "memory access",
-    }
-    for ins, why in bad.items():
-        found = problems(_ptx(*ok, ins), "k")
-        assert len(found) == 1 and why in found[0], (ins, found)
-
-
-def _pdl_kernel_names() -> set[str]:
-    """Functions of kernels/*.py (not pdl.py's helpers) with a ``USE_PDL`` parameter, from the sources."""
-    names = set()
-    for path in (TESTS.parent / "kernels").glob("*.py"):
-        if path.name != "pdl.py":
-            names |= {n.name for n in ast.walk(ast.parse(path.read_text()))
-                      if isinstance(n, ast.FunctionDef) and "USE_PDL" in [a.arg for a in n.args.args]}
-    return names
-
-
-def test_pdl_checker_early_loads_allow_plain_loads_and_branches_only():
-    """``EARLY_LOADS`` kernels (the fused decode attention, thirteenth session) may load the step's
-    metadata and branch before the wait; stores, atomics and asynchronous copies stay forbidden."""
-    problems = _ptx_problems()
-    ok = ("ld.global.b32 %r1, [%rd2];", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];", "ld.u64 %rd24, [%rd22];",
-          "ld.global.nc.b32 %r1, [%rd2];", "bra $L__BB0_2;", "ret;")
-    assert problems(_ptx(*ok), "k", True) == []
-    assert len(problems(_ptx(*ok), "k")) == len(ok)  # all refused without the exemption
-    for ins in ("st.global.b32 [%rd2], %r1;", "atom.global.gpu.acq_rel.add.u32 %r1, [%rd2], 1;",
-                "red.global.add.u32 [%rd2], 1;", "cp.async.cg.shared.global [%r1], [%rd2], 16;",
-                "prefetch.global.L2 [%rd2];"):
-        found = problems(_ptx(ins), "k", True)
-        assert len(found) == 1 and "memory access" in found[0], (ins, found)
-
-
-def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
-    """``pdl_order_check.py --scan-cache`` (the check of what the GPU's own Triton compiled) listed
-    its kernels by hand and skipped ``_gemv_tma_kernel`` (and ``_two_rank_all_reduce_kernel``): a
-    cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel, which may
-    load there) before its wait must yield one problem each."""
-    names = _pdl_kernel_names()
-    assert {"_gemv_kernel", "_gemv_tma_kernel", "_two_rank_all_reduce_kernel"} <= names
-    cache = tmp_path / "cache"
-    for i, name in enumerate(sorted(names)):
-        (cache / f"h{i}").mkdir(parents=True)
-        access = "st.global.b32 [%rd1], %r1;" if name == "_rotary_decode_kernel" else "ld.global.b32 %r1, [%rd1];"
-        (cache / f"h{i}" / f"{name}.ptx").write_text(
-            f".visible .entry {name}(\n.param .u64 p0\n)\n{{\n\tld.param.u64 %rd1, [p0];\n"
-            f"\t{access}\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n"
-            f"\tret;\n}}\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(TESTS / "pdl_order_check.py"), "--scan-cache", str(cache)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    flagged = {re.search(r"/(\w+)\.ptx: memory access before the wait", line).group(1)
-               for line in proc.stdout.splitlines() if "memory access before the wait" in line}
-    assert flagged == names, (names - flagged, proc.stdout)
 
 
 # ---- GPU ---------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import gc
 import itertools
@@ -11,6 +12,7 @@ import os
 import queue
 import random
 import threading
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
@@ -94,6 +96,7 @@ class LLM:
         _freeze_gc()
         self._loop = EngineLoop(self._core)
         self._loop.start()
+        _live_engines.add(self)
 
     # ---- submission --------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
@@ -241,7 +244,11 @@ class LLM:
         self._loop.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop the engine loop, fail unfinished requests, release the model."""
+        """Stop the engine loop, fail unfinished requests, release the model.
+
+        A script that never calls it is shut down at interpreter exit (`_shutdown_at_exit`).
+        """
+        _live_engines.discard(self)
         self._loop.stop()
         close = getattr(self._executor, "shutdown", None)
         if close is not None:
@@ -261,6 +268,27 @@ class LLM:
             self._loop.stop()
         except Exception:
             pass
+
+
+# Engines started and not yet shut down; `_shutdown_at_exit` stops them when the interpreter exits.
+_live_engines: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Shut down every engine still running, then unfreeze the heap frozen at start-up.
+
+    Objects that `_freeze_gc` moved to the permanent generation are skipped by the collections
+    Python runs while it finalizes, so Triton's compiled-kernel objects (nanobind bindings) held in
+    reference cycles would outlive the interpreter, and nanobind prints ``leaked ...`` lines at
+    exit. Runs after non-daemon threads are joined and before modules are torn down.
+    """
+    for llm in list(_live_engines):
+        try:
+            llm.shutdown()
+        except Exception:  # exiting anyway: one engine's failure must not keep the others running
+            logger.debug("shutdown at exit failed", exc_info=True)
+    gc.unfreeze()
 
 
 def _freeze_gc() -> None:

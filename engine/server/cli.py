@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 from typing import Any, Optional
 
 import uvicorn
@@ -28,7 +30,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add ``kvpilot serve``'s arguments (DESIGN.md's CLI contract, plus server options)."""
     parser.add_argument("model", help="Hugging Face checkpoint directory (or Hub id where the network allows)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 1-65535 (default 8000)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--pipeline-parallel-size", type=int, default=1)
     parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
@@ -58,6 +60,45 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default 30)")
     parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+
+
+def port_number(value: str) -> int:
+    """``--port``'s type: an integer in 1-65535 (argparse turns the ValueError into a usage error)."""
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise ValueError(value)
+    return port
+
+
+port_number.__name__ = "port (1-65535)"  # argparse names the type in its error message
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, made before the model loads.
+
+    uvicorn binds only after the application's start-up, which here begins loading the model, so a
+    port in use would surface after seconds to minutes of loading; binding first fails at once. The
+    socket is handed to uvicorn (``Server.run(sockets=...)``).
+
+    Raises:
+        OSError: the address cannot be resolved or bound; the message names it and the cause.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = "; another process listens there (pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, OSError) as exc:
         logger.error("%s", exc)
         return 2
+    try:
+        sock = bind_listen_socket(args.host, args.port)
+    except OSError as exc:
+        logger.error("%s", exc.strerror or exc)
+        return 1
     state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
                         chat_template=template, api_key=args.api_key or None)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)
@@ -147,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, state, args.drain_timeout)
     logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
-    server.run()
+    server.run(sockets=[sock])
     if state.load_error is not None:
         return 1
     logger.info("server stopped")

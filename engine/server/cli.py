@@ -31,35 +31,44 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="Hugging Face checkpoint directory (or Hub id where the network allows)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 1-65535 (default 8000)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs each layer is split over (one worker process per GPU)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages the layers are split into (one worker process per stage and TP rank)")
     parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
     parser.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="context limit in tokens, prompt + output (default: the model's)")
     parser.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
-                        help="fraction of the GPU memory left after loading that the KV cache takes")
+                        help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in tokens")
     parser.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="same as --no-enable-block-reuse (vLLM's flag name)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), ...")
-    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
-    parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+                        help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), or a "
+                             "16/32-bit float type")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights' dtype: auto (the checkpoint's 16-bit type on GPU, float32 on CPU), "
+                             "bfloat16, float16, float32")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: MODEL as given)")
+                        help="the name clients put in requests' 'model' field and /v1/models lists "
+                             "(default: MODEL exactly as given on the command line)")
     parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file (or inline template) overriding the tokenizer's")
+                        help="Jinja chat template file (or inline template) overriding the tokenizer's "
+                             "(default: the tokenizer's own chat_template)")
     parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default 30)")
-    parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        help="uvicorn's own log level: debug, info, warning, error")
 
 
 def port_number(value: str) -> int:

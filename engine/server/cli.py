@@ -38,7 +38,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
     parser.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
     parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="context limit in tokens, prompt + output (default: the model's)")
+                        help="context limit in tokens, prompt + output (default: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--allow-long-max-seq-len", action="store_true",
+                        help="accept --max-seq-len beyond the model's max_position_embeddings")
     parser.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
                         help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in tokens")
@@ -125,7 +128,27 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
     from kvpilot import LLM
 
-    return LLM(args.model, tokenizer=args.tokenizer, **_engine_kwargs(args))
+    return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
+               **_engine_kwargs(args))
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """The checks `kvpilot.LLM` makes of the arguments before loading, made before the server
+    starts: a bad device or context limit is one line at once, not a traceback after start-up.
+
+    Raises:
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
+    """
+    from pathlib import Path
+
+    from kvpilot.llm import check_max_seq_len
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.model_runner import check_device
+
+    check_device(args.device)
+    if args.max_seq_len is not None and (Path(args.model) / "config.json").is_file():
+        cfg = ModelConfig.from_dir(Path(args.model))
+        check_max_seq_len(args.max_seq_len, cfg.max_position_embeddings, args.allow_long_max_seq_len)
 
 
 class DrainingServer(uvicorn.Server):
@@ -186,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         return run_lws_worker(args.model, group=group, **_engine_kwargs(args))
     try:
         template = load_chat_template(args.chat_template)
-    except (FileNotFoundError, OSError) as exc:
+        preflight(args)
+    except (OSError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
     try:

@@ -18,7 +18,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 
-# Launch parameters, chosen by benchmarks/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
+# Launch parameters, chosen by benchmarks/lab/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
 # halved for head_dim > 128 to bound registers. Module-level so the benchmark can sweep them.
 TUNING = {
     # Decode contexts are split only when (sequences x kv heads) < no_split_per_sm * SMs, into

@@ -284,9 +284,9 @@ K-tile loop until measured."""
 
 _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
-# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/gpu_gemv.py --sweep
+# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/lab/gpu_gemv.py --sweep
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
-# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/gpu_gemv_tma.py)
+# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
 # 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
 # (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
 # for the weights and devices TMA cannot serve.

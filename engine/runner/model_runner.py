@@ -514,7 +514,7 @@ class ModelRunner:
         context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
         count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
         and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
-        On an H200 before this existed (`benchmarks/gpu_concurrency.py`, fourteenth session), the
+        On an H200 before this existed (`benchmarks/lab/gpu_concurrency.py`, fourteenth session), the
         first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
 
         The steps, eager whatever their size (no graph, no graph padding):

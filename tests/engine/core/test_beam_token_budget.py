@@ -12,7 +12,7 @@ registered in the prefix cache, and cached blocks are taken before any allocatio
 the plan's block count equals what admission takes from the free queue; chunked recompute; async
 scheduling (readiness is read from counts advanced after the step that computes the blocks is
 launched). CPU tests take seconds (the scheduler simulation of tests/test_beam_preemption.py, or
-stories260K); the ``gpu`` test needs a CUDA GPU (benchmarks/gpu_review7.py covers more settings).
+stories260K); the ``gpu`` test needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def test_abort_while_a_readmitted_beam_waits_frees_every_block(stories_model_dir
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_gpu_beam_requests_with_a_budget_of_their_width(tiny, monkeypatch, async_scheduling):
     """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine (a
-    livelock before `Scheduler.add_forks`; benchmarks/gpu_review7.py runs it at more settings):
+    livelock before `Scheduler.add_forks`):
     each returns what it returns with a large budget."""
     d, _model = tiny
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")

@@ -1,6 +1,6 @@
 """Batch-1 CUDA-graph decode step with the fused decode GEMVs on and off (``KVPILOT_FUSED_GEMV``).
 
-Builds pairs of `ModelRunner`s of Llama-3.1-8B's shape the way benchmarks/gpu_decode_profile.py
+Builds pairs of `ModelRunner`s of Llama-3.1-8B's shape the way benchmarks/lab/gpu_decode_profile.py
 does (`build_runner`: random bf16 weights drawn from one seed, so both runners of a pair hold the
 same weights), one with ``KVPILOT_FUSED_GEMV=1`` and one with ``0``, each capturing its batch-1
 decode graph (prefill graphs off: only decode is timed).
@@ -19,7 +19,7 @@ decode graph (prefill graphs off: only decode is timed).
 Prints a table of ms per step; exits 1 on a mismatch, 2 without a GPU. About a minute on an H200
 (two 16 GB models fit side by side).
 
-    python3 benchmarks/gpu_fused_gemv_engine.py [--layers 32] [--contexts 128 1024] [--rounds 5]
+    python3 benchmarks/lab/gpu_fused_gemv_engine.py [--layers 32] [--contexts 128 1024] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> int:
     errors: list[str] = []
 
     # 1. Correctness on shallow runners: bf16 rounding differences grow chaotically over many layers
-    #    of random weights (benchmarks/gpu_decode_layer.py saw ~0.8 after 32), so the bound is
+    #    of random weights (benchmarks/lab/gpu_decode_layer.py saw ~0.8 after 32), so the bound is
     #    checked at --check-layers and the full depth's difference is printed for information.
     L = args.check_layers
     runners = {"off": make_runner(False, L, max_seq_len), "on": make_runner(True, L, max_seq_len)}

@@ -12,7 +12,7 @@ max_num_tokens 8192, ``--kv-dtype``), then runs every workload with ``async_sche
    run and the mean wall time of the full-batch decode-only steps (iteration stats), with the
    number of steps launched while the previous step's tokens were still on the device.
 
-    python3 benchmarks/gpu_async_scheduling.py [--batch 492] [--output-len 128] [--kv-dtype fp8]
+    python3 benchmarks/lab/gpu_async_scheduling.py [--batch 492] [--output-len 128] [--kv-dtype fp8]
 
 ``--tiny`` runs the same logic on a two-layer random model (on the CPU too, with
 ``KVPILOT_ASYNC_SCHEDULING`` irrelevant: the mode is switched per run).
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 from gpu_recheck import StepLog  # noqa: E402
 
 

@@ -3,7 +3,7 @@ unfused launches, and launch variants of the fused kernel (GPU).
 
 Usage (one H200, after `pip install -e .`; about 2 minutes):
 
-    python3 benchmarks/gpu_fused_decode_attn.py [--layers 32] [--contexts 512 4096] [--rounds 3] [--bf16-kv]
+    python3 benchmarks/lab/gpu_fused_decode_attn.py [--layers 32] [--contexts 512 4096] [--rounds 3] [--bf16-kv]
 
 Each context builds ``--layers`` Llama-3.1-8B-shaped decoder layers (`gpu_decode_layer.build_layers`:
 random bf16 weights, fused GEMVs, one shuffled KV pool per layer, FP8 unless ``--bf16-kv``) and

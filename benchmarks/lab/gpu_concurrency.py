@@ -8,7 +8,7 @@ difference. Every Triton compile while the sweep runs is logged with its kernel 
 Writes ``gpu_concurrency.json`` and ``gpu_concurrency.png`` (median of the runs after the first)
 to ``--out``.
 
-    python3 benchmarks/gpu_concurrency.py --out $OUT [--repeats 3]
+    python3 benchmarks/lab/gpu_concurrency.py --out $OUT [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 from gpu_recheck import StepLog, build  # noqa: E402
 
 

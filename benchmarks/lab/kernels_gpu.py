@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, after `pip install -e .`):
 
-    python3 benchmarks/kernels_gpu.py [--sweep] [--json PATH]
+    python3 benchmarks/lab/kernels_gpu.py [--sweep] [--json PATH]
 
 Shapes: 32 query heads, 8 kv heads, head_dim 128, KV block 32, hidden 4096, intermediate 14336,
 bf16. Times are medians of `triton.testing.do_bench`. Memory-bound kernels report achieved GB/s

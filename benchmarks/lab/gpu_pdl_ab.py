@@ -9,9 +9,9 @@ per setting, in the order ``--modes`` gives (alternated, to show drift), and for
 - greedy tokens of 4 prompts x 48 tokens at batch 1 and together (batch 4), which must equal the
   first setting's exactly: PDL changes when kernels start, never what they compute.
 
-    python3 benchmarks/gpu_pdl_ab.py [--modes 0 1 0 1]      # exits 1 if any tokens differ
-    python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_FUSED_GEMV --allow-diff
-    python3 benchmarks/gpu_pdl_ab.py --env KVPILOT_DECODE_TUNING --modes '{}' '{"fused_num_warps": 1}' --allow-diff
+    python3 benchmarks/lab/gpu_pdl_ab.py [--modes 0 1 0 1]      # exits 1 if any tokens differ
+    python3 benchmarks/lab/gpu_pdl_ab.py --env KVPILOT_FUSED_GEMV --allow-diff
+    python3 benchmarks/lab/gpu_pdl_ab.py --env KVPILOT_DECODE_TUNING --modes '{}' '{"fused_num_warps": 1}' --allow-diff
 
 ``--allow-diff`` is for switches that change the fp32 summation order (not only timing): tokens are
 then compared per prompt (first differing step) and only reported.
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_profile import copy_bandwidth  # noqa: E402
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 from gpu_recheck import StepLog, build  # noqa: E402
 
 

@@ -2,9 +2,9 @@
 
 Usage (one H200 after `pip install -e .`; about 2-3 minutes):
 
-    python3 benchmarks/gpu_gemv_layer_sweep.py [--layers 32] [--context 512] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_layer_sweep.py [--layers 32] [--context 512] [--json PATH]
 
-`benchmarks/gpu_gemv.py --sweep` chose `kernels/gemv.py`'s ``CONFIGS`` one kernel at a time, in
+`benchmarks/lab/gpu_gemv.py --sweep` chose `kernels/gemv.py`'s ``CONFIGS`` one kernel at a time, in
 isolation and before programmatic dependent launch. Here each of the four batch-1 products (RMSNorm
 + QKV, o_proj, RMSNorm + gate/up, SiLU + down) gets its candidate configurations while the other three
 keep theirs, and the quantity timed is the one the engine pays: microseconds per layer of a CUDA

@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, after `pip install -e .`; about a minute, `--sweep` two more):
 
-    python3 benchmarks/gpu_gemv.py [--sweep] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv.py [--sweep] [--json PATH]
 
 1. Device-to-device copy bandwidth (bytes read + written), the ceiling for "% copy".
 2. Checks, at Llama-3.1-8B shapes in bf16 and M = 1, 2, 4, 8, 16 rows: each fused kernel against
@@ -39,7 +39,7 @@ try:
 except ModuleNotFoundError:  # not installed: map the package onto this checkout (engine/ + kernels/)
     import types
 
-    _root = Path(__file__).resolve().parents[1]
+    _root = Path(__file__).resolve().parents[2]
     _pkg = types.ModuleType("kvpilot")
     _pkg.__path__ = [str(_root / "engine"), str(_root)]
     sys.modules["kvpilot"] = _pkg

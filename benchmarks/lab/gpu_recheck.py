@@ -13,7 +13,7 @@ workloads the engine's own code affects (the transformers baselines are in `gpu_
   transformers batch-64 baseline in `gpu_bench.py`);
 - ``--kv-dtype fp8`` repeats ``throughput`` with an FP8 KV cache (``KvCacheConfig(dtype="fp8")``).
 
-    python3 benchmarks/gpu_recheck.py --num-prompts 1000 --out $OUT [--sections latency,context,throughput]
+    python3 benchmarks/lab/gpu_recheck.py --num-prompts 1000 --out $OUT [--sections latency,context,throughput]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_decode_profile import copy_bandwidth  # noqa: E402
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 
 
 class StepLog:

@@ -13,7 +13,7 @@ decode-only steps of 330-500 sequences at contexts around 1,000-2,000 tokens. Th
    ``min_split_tokens``), batch 1 with a CUDA graph's context bound and the large batches, as % of
    copy bandwidth.
 
-    python3 benchmarks/gpu_batch_profile.py [--kv-dtypes auto fp8] [--batches 256 448] [--context 1280]
+    python3 benchmarks/lab/gpu_batch_profile.py [--kv-dtypes auto fp8] [--batches 256 448] [--context 1280]
 """
 
 from __future__ import annotations

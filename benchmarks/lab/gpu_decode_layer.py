@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, after `pip install -e .`; about a minute on an H200):
 
-    python3 benchmarks/gpu_decode_layer.py [--layers 32] [--context 4096] [--json PATH]
+    python3 benchmarks/lab/gpu_decode_layer.py [--layers 32] [--context 4096] [--json PATH]
 
 1. Fused rotary + KV-cache write (`rotary_write_kv_cache_triton`, one launch) against today's two
    launches (`apply_rotary_triton` + `write_kv_cache_triton`) at 1, 64 and 4096 tokens: checked

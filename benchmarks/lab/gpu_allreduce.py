@@ -11,7 +11,7 @@ copy in; ``kvpilot`` runs its kernel at 64 distinct call sites, as the engine do
 checked against the exact sum. Prints microseconds per all-reduce (copy included; the copy alone is
 its own column).
 
-    python3 benchmarks/gpu_allreduce.py [--world 2] [--block-sweep]
+    python3 benchmarks/lab/gpu_allreduce.py [--world 2] [--block-sweep]
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ large batch; the CPU time does not. The script exits 1 if the two modes' outputs
 text) differ. Logits are one-hot rows over a fixed pseudo-random token sequence, so detokenization
 sees changing text.
 
-    .venv/bin/python benchmarks/engine_host_overhead.py [--batch 1 64 256 448] [--steps 60] [--tokenizer]
+    .venv/bin/python benchmarks/lab/engine_host_overhead.py [--batch 1 64 256 448] [--steps 60] [--tokenizer]
         [--streaming] [--logprobs K] [--gpu-ms auto|0|MS] [--device sleep|cuda] [--prompt-len 1500]
         [--max-batch-size 512] [--no-runner-host]
 """

@@ -19,7 +19,7 @@ idle gaps longer than 0.2 ms with the host op running meanwhile, and the top ker
 traces go to ``--out``. Last, the sampler's cost inside the engine: decode-only step
 time at batch ``--sampler-batch`` under greedy, temperature, top-k, top-p and top-k+top-p+min-p.
 
-    python3 benchmarks/gpu_engine_ab.py [--kv-dtype fp8] [--num-prompts 384] [--output-len 32]
+    python3 benchmarks/lab/gpu_engine_ab.py [--kv-dtype fp8] [--num-prompts 384] [--output-len 32]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 from gpu_recheck import StepLog, build  # noqa: E402
 
 

@@ -4,7 +4,7 @@ A step of `TINY` (2 layers, hidden 64) takes microseconds of compute, so on CPU 
 time is almost all executor overhead: plan pickling and pipes, worker wake-ups, the gloo
 collectives, logits on the pipe. This measures it per layout, before/after A/B style:
 
-    cd /tmp && /work/main/.venv/bin/python /work/main/benchmarks/parallel_step_cpu.py --layouts 1x1,2x1,1x2
+    cd /tmp && /work/main/.venv/bin/python /work/main/benchmarks/lab/parallel_step_cpu.py --layouts 1x1,2x1,1x2
 
 Per layout: batch-1 inter-token latency ((time of 1+N tokens - time of 1 token) / N, median of 5)
 and the time per decode step at batch 32; with ``KVPILOT_STEP_TIMING=1`` also the per-phase table
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 
 def run(model: Path, tp: int, pp: int, a) -> dict:

@@ -40,10 +40,10 @@ per call (``torch.cuda.set_sync_debug_mode``; expected 1: the final read). ``lau
 launch that did not return before that earlier work ended (a hidden synchronisation, e.g. an
 upload from pageable memory).
 
-Run (GPU):  python3 benchmarks/sampler_bench.py                  (batch 256, vocab 128256)
-Run (CPU):  .venv/bin/python benchmarks/sampler_bench.py --device cpu --batch 16 --vocab 32000
+Run (GPU):  python3 benchmarks/lab/sampler_bench.py                  (batch 256, vocab 128256)
+Run (CPU):  .venv/bin/python benchmarks/lab/sampler_bench.py --device cpu --batch 16 --vocab 32000
 Host overhead on a CPU (kernels nearly free at a tiny vocabulary):
-            .venv/bin/python benchmarks/sampler_bench.py --device cpu --batch 256 --vocab 256
+            .venv/bin/python benchmarks/lab/sampler_bench.py --device cpu --batch 256 --vocab 256
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _import_kvpilot():
     try:
         import kvpilot.sampling.sampler as sampler  # noqa: F401
     except ImportError:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         for name, path in (("kvpilot", root / "engine"), ("kvpilot.kernels", root / "kernels")):
             spec = importlib.util.spec_from_file_location(name, path / "__init__.py",
                                                           submodule_search_locations=[str(path)])

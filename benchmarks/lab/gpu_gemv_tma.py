@@ -3,8 +3,8 @@ against the current fused GEMVs and cuBLAS, per Llama-3.1-8B shape.
 
 Usage (one H200 after `pip install -e .`; about 1 minute):
 
-    python3 benchmarks/gpu_gemv_tma.py [--ops gate_up down qkv o_proj] [--json PATH]
-    python3 benchmarks/gpu_gemv_tma.py --layers 32 [--contexts 512 4096] [--kv-fp8] [--graph-bound 33024]
+    python3 benchmarks/lab/gpu_gemv_tma.py [--ops gate_up down qkv o_proj] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_tma.py --layers 32 [--contexts 512 4096] [--kv-fp8] [--graph-bound 33024]
 
 Question: the fused fma GEMVs read weights at 3.9-4.1 TB/s in steady state, while cuBLAS's LM head
 reads at 4.5 TB/s. The fma kernel keeps each weight tile in registers (no pipelining: one tile in

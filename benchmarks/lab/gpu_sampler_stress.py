@@ -7,8 +7,8 @@ unwritten scratch that reaches an address shows up as an illegal memory access (
 ``KVPILOT_SAMPLING_CHECK=1``, as a clamped, recorded index that `draw` raises on). Each call's
 tokens are compared with ``Sampler("torch")`` (the PyTorch candidate path, same noise).
 
-    python3 benchmarks/gpu_sampler_stress.py --calls 400          # exits 1 on a mismatch
-    KVPILOT_SAMPLING_CHECK=1 python3 benchmarks/gpu_sampler_stress.py --calls 400
+    python3 benchmarks/lab/gpu_sampler_stress.py --calls 400          # exits 1 on a mismatch
+    KVPILOT_SAMPLING_CHECK=1 python3 benchmarks/lab/gpu_sampler_stress.py --calls 400
 
 Scenarios (batch 256 x 128,256 float32 by default): top-p 0.9 / 0.3 / 0.05, min-p 0.05, top-p +
 min-p, and a mix with top-k rows (window path) beside pivot rows; flat (std 1), LLM-like (std 1.3)

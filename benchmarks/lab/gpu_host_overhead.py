@@ -19,7 +19,7 @@ replaced, as after a preemption):
 3. the wall time of a whole decode step (``runner.execute`` + the sampler's argmax read-back)
    with persistent tables and with fresh copies.
 
-    python3 benchmarks/gpu_host_overhead.py [--layers 2] [--batch 1 64 256 448] [--steps 40]
+    python3 benchmarks/lab/gpu_host_overhead.py [--layers 2] [--batch 1 64 256 448] [--steps 40]
 """
 
 from __future__ import annotations

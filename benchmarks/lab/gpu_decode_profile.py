@@ -9,7 +9,7 @@ checkpoint is written: only ``config.json``; the weights' values do not change s
    take the time (per step, summed over layers), at a short and a long context;
 3. times the decode attention kernel alone on the runner's own caches and block tables.
 
-    python3 benchmarks/gpu_decode_profile.py [--layers 32] [--contexts 128 4096 32768]
+    python3 benchmarks/lab/gpu_decode_profile.py [--layers 32] [--contexts 128 4096 32768]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B  # noqa: E402
 
 
 def copy_bandwidth() -> float:

@@ -26,7 +26,7 @@ The engine captures prefill graphs up to 256 tokens by default (`default_token_b
 why); this script raises the cap to 1,024 (``KVPILOT_PREFILL_GRAPH_TOKENS``, unless set) so that the
 575-token mixed case has a graph to compare.
 
-    python3 benchmarks/gpu_mixed_graphs.py [--layers 8] [--iters 20] [--out $OUT]
+    python3 benchmarks/lab/gpu_mixed_graphs.py [--layers 8] [--iters 20] [--out $OUT]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 
 TOL = 2e-2
 

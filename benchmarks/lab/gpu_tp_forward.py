@@ -2,7 +2,7 @@
 
 `gpu_tp_profile.py` times whole engine steps (front end, pipes, sampling). This script isolates the
 device side: each rank builds its `Worker` (the engine's own worker class, decode CUDA graphs and all)
-on the random Llama-3.1-8B-shaped checkpoint of ``gpu_random_model.py``, and then
+on the random Llama-3.1-8B-shaped checkpoint of ``kvpilot.tools.random_model``, and then
 
 1. ``sync step``: ``Worker.execute`` of a batch-1 decode plan followed by a device synchronisation,
    median over ``--iters`` (host launch + device time, serial);
@@ -14,7 +14,7 @@ on the random Llama-3.1-8B-shaped checkpoint of ``gpu_random_model.py``, and the
 
 Usage (an nvidia-h200-x2; from the repository root by path, never ``python -m``)::
 
-    python3 benchmarks/gpu_tp_forward.py [--tp 1 2] [--context 512] [--iters 50]
+    python3 benchmarks/lab/gpu_tp_forward.py [--tp 1 2] [--context 512] [--iters 50]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 def sync() -> None:
     if torch.cuda.is_available():

@@ -7,7 +7,7 @@ Builds a KV cache of Llama-3.1-8B's per-layer shape (8 kv heads x 128 dims, 32 q
 
     ncu --kernel-name _decode_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis python3 benchmarks/gpu_attention_case.py --kv-dtype fp8
+        --section MemoryWorkloadAnalysis python3 benchmarks/lab/gpu_attention_case.py --kv-dtype fp8
 
 Without ``ncu`` it prints the kernel's time (CUDA events, mean of ``--calls``) and % of the copy
 bandwidth.

@@ -7,7 +7,7 @@ runs 20 launches in a CUDA graph (`triton.testing.do_bench` median), is checked 
 pointer kernel's output (max abs difference), and is reported as % of the device copy rate
 measured here (bytes of K and V read / time).
 
-    python3 benchmarks/gpu_decode_tma.py [--batches 492 256] [--contexts 1200] [--kv-dtypes fp8 auto]
+    python3 benchmarks/lab/gpu_decode_tma.py [--batches 492 256] [--contexts 1200] [--kv-dtypes fp8 auto]
 """
 
 from __future__ import annotations

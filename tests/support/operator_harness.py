@@ -16,6 +16,10 @@ the operator touches is declared in ``kmock.resources`` with its kind and verbs,
 ``uid``, ``resourceVersion`` or ``generation``, so CRs get a ``uid`` from :func:`make_cr`.
 Without resourceVersions, kopf may process a fresh object's creation twice; reconcile is
 idempotent, so that costs reads, not writes.
+
+Every request the operator sends (those carrying its bearer token; the test's own requests carry
+none) is checked at teardown against the ClusterRoles that ``helm template`` renders for the chart
+(support.rbac): a request the chart's RBAC would refuse fails the test.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class OperatorEnv:
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self.error: BaseException | None = None
+        #: ``--set`` values for the chart whose RBAC the operator's requests are checked against.
+        self.chart_values: tuple[str, ...] = ()
 
     async def start(self, timeout: float = 10.0, peering: str | None = None, priority: int = 0,
                     wait_watching: bool = True) -> None:
@@ -146,6 +152,17 @@ class OperatorEnv:
         """``METHOD path`` of every write request after the first ``since`` requests."""
         return [f"{r.method.value} {r.url.path}" for r in list(self.k)[since:] if r.method.value in WRITE_METHODS]
 
+    def operator_requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(method, path, query) of every request the operator (kopf or KubeClient) sent."""
+        return [(r.method.value, r.url.path, dict(r.url.query)) for r in list(self.k)
+                if (r.headers.get("Authorization") or "").startswith("Bearer ")]
+
+    def rbac_denials(self) -> list[str]:
+        """The operator's requests that the chart's rendered RBAC does not allow."""
+        from support import rbac
+
+        return rbac.denied(self.operator_requests(), rbac.chart_rules(*self.chart_values, namespace=NAMESPACE))
+
     def request_count(self) -> int:
         return len(list(self.k))
 
@@ -194,6 +211,8 @@ async def operator_env(tmp_path, monkeypatch):
             yield env
         finally:
             await env.stop()
+        denials = env.rbac_denials()
+        assert not denials, "requests the chart's RBAC refuses:\n" + "\n".join(denials)
 
 
 __all__ = ["OperatorEnv", "make_cr", "operator_env", "declare_resources", "kubeconfig_for", "NAMESPACE"]

@@ -7,9 +7,11 @@ What triggers what:
   or merge-patch what differs), deletes a child of the other workload kind when the shape
   crossed the one-node boundary, and writes the status. Status-only changes of the CR do not
   trigger it (kopf diffs ``spec`` only), and nothing is written when nothing differs.
-- ``on.event`` of a child Deployment or LeaderWorkerSet (labelled ``managed-by:
-  kvpilot-operator``): :func:`workload_changed` recomputes the owner's status (ready replicas,
-  conditions) and patches ``/status`` only if it changed.
+- ``on.event`` of a child Deployment, LeaderWorkerSet, Service or PodDisruptionBudget (labelled
+  ``managed-by: kvpilot-operator``), including the initial listing at start: :func:`child_changed`
+  repairs drift (a deleted child is recreated; a hand edit of a field kvpilot owns, such as
+  replicas, the image, or an extra selector key, is reverted) and, for the workload, recomputes
+  the owner's status (ready replicas, conditions), patching ``/status`` only if it changed.
 
 Autoscaling lives in operator/autoscale_daemon.py: a kopf daemon per LLMDeployment with
 ``autoscaling.enabled`` scrapes the Ready pods, calls the pure ``autoscaler.decide(...)``, and writes
@@ -121,8 +123,10 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event(*LWS_API_VERSION.split("/"), "leaderworkersets", labels=CHILD_LABELS)
-def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """Carry a child workload's readiness into its LLMDeployment's status."""
+@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Repair drift of one child and carry a workload's readiness into its owner's status."""
     child = _as_dict(body)
     owner = next((r for r in child["metadata"].get("ownerReferences") or []
                   if r.get("controller") and r.get("kind") == KIND), None)
@@ -135,11 +139,23 @@ def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: An
         return
     try:
         cr = normalize(cr)
+        objects = render(cr)
     except ValueError:
         return  # reconcile reports it
-    if workload_kind(cr) != child["kind"]:
+    wanted = next((o for o in objects if o["kind"] == child["kind"]
+                   and o["metadata"]["name"] == child["metadata"]["name"]), None)
+    if wanted is None:
         return  # a stale child on its way out
-    _write_status(client, cr, None if type == "DELETED" else child, observed_generation=False)
+    live = None if type == "DELETED" else child
+    if live is not None and live["metadata"].get("deletionTimestamp"):
+        return  # being deleted: recreated on its DELETED event
+    if not kube.in_sync(wanted, live):
+        result = kube.apply(client, wanted, live=live)
+        logger.info("repaired drift of %s %s/%s: %s", child["kind"], ns, child["metadata"]["name"], result.action)
+        if result.action != "unchanged":
+            live = client.get(child["kind"], ns, child["metadata"]["name"])
+    if child["kind"] in WORKLOAD_KINDS:
+        _write_status(client, cr, live, observed_generation=False)
 
 
 def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,

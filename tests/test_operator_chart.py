@@ -94,10 +94,12 @@ def test_rbac_grants_what_the_operator_does():
         # kopf: watch the CRs; its annotations (progress, diff base) are patches.
         ("serving.kvpilot.io", "llmdeployments", v) for v in ("get", "list", "watch", "patch")
     } | {("serving.kvpilot.io", "llmdeployments/status", v) for v in ("get", "patch")} | {
-        # apply(): get, create, merge-patch; delete for the stale workload kind; kopf watches workloads.
-        (g, r, v) for g, r in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"))
+        # apply(): get, create, merge-patch; delete for the stale workload kind; kopf watches every
+        # child kind to repair drift.
+        (g, r, v) for g, r in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+                               ("", "services"), ("policy", "poddisruptionbudgets"))
         for v in ("get", "list", "watch", "create", "patch", "delete")
-    } | {(g, r, v) for g, r in (("", "services"), ("policy", "poddisruptionbudgets")) for v in ("get", "create", "patch", "delete")} \
+    } \
       | {("", "pods", v) for v in ("list", "patch")} | {("", "events", "create")} \
       | {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     assert grants == needed  # least privilege: nothing more than that

@@ -166,6 +166,17 @@ class OperatorEnv:
     def request_count(self) -> int:
         return len(list(self.k))
 
+    async def settle(self, quiet: float = 1.0, timeout: float = 15.0) -> None:
+        """Wait until no request at all has reached the emulator for ``quiet`` seconds."""
+        deadline = time.monotonic() + timeout
+        count, since = self.request_count(), time.monotonic()
+        while time.monotonic() - since < quiet:
+            await asyncio.sleep(0.1)
+            if self.request_count() != count:
+                count, since = self.request_count(), time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the operator never went quiet")
+
     async def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> Any:
         """Poll ``predicate`` until it returns something truthy; return that."""
         deadline = time.monotonic() + timeout

@@ -80,12 +80,13 @@ class OperatorEnv:
         self.chart_values: tuple[str, ...] = ()
 
     async def start(self, timeout: float = 10.0, peering: str | None = None, priority: int = 0,
-                    wait_watching: bool = True) -> None:
+                    wait_watching: bool = True, config: Any = None) -> None:
         """Start the operator and wait until kopf is watching LLMDeployments.
 
         Standalone unless ``peering`` names a ClusterKopfPeering (then kopf takes part in
         peering with ``priority``, and a paused operator may never open its watch: pass
-        ``wait_watching=False``).
+        ``wait_watching=False``). ``config`` is an ``OperatorConfig`` (retry timings), default the
+        operator's own.
 
         kopf runs in its own thread and event loop: on exit it waits for every task it did not
         start, which would include the emulator's never-ending watch streams in a shared loop.
@@ -97,7 +98,7 @@ class OperatorEnv:
             try:
                 asyncio.run(kopf.operator(clusterwide=True, standalone=peering is None, peering_name=peering,
                                           priority=priority, stop_flag=self._stop, ready_flag=ready,
-                                          settings=kopf.OperatorSettings(), memo=kopf.Memo()))
+                                          settings=kopf.OperatorSettings(), memo=kopf.Memo(config=config)))
             except BaseException as exc:  # surfaced by stop()
                 self.error = exc
 

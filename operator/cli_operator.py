@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="kopf's liveness endpoint for the pod's probe ('' to disable)")
 
 
+def check_credentials() -> str | None:
+    """None when Kubernetes credentials can be loaded (in-cluster, else ``$KUBECONFIG`` or
+    ``~/.kube/config``), else a one-line reason. kopf itself would retry its start-up every minute
+    with a traceback instead of exiting."""
+    from kubernetes.config import ConfigException
+
+    from .apply import load_configuration
+
+    try:
+        load_configuration()
+    except (ConfigException, OSError) as exc:
+        return (f"no Kubernetes credentials: not running in a cluster and no usable kubeconfig "
+                f"(set KUBECONFIG or create ~/.kube/config): {exc}")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = check_credentials()
+    if problem is not None:
+        print(f"kvpilot operator: {problem}", file=sys.stderr)
+        return 1
+
     import kopf
 
     from . import handlers

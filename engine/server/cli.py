@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 from typing import Any, Optional
 
 import uvicorn
 
 from kvpilot.config import KV_CACHE_DTYPES
+from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
 from kvpilot.server.state import ServerState
@@ -49,7 +49,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: MODEL as given)")
-    parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template file (or inline template) overriding the tokenizer's")

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 _LOG2E = 1.4426950408889634
 
 # Launch parameters, chosen by benchmarks/lab/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
@@ -368,4 +370,4 @@ def attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def interpreting() -> bool:
     """Whether Triton runs on its CPU interpreter (``TRITON_INTERPRET=1``): compile options such as
     ``maxnreg`` have no meaning there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.triton_interpret()

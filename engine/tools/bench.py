@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Callable, Optional
 import httpx
 import numpy as np
 
+from kvpilot import envs
 from kvpilot.tools import bench_figures as _figures
 from kvpilot.tools import bench_offline as _offline
 
@@ -215,7 +215,7 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words (about tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    p.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY") or None,
+    p.add_argument("--api-key", default=envs.api_key() or None,
                    help="bearer token sent as 'Authorization: Bearer KEY' (default: $KVPILOT_API_KEY, else none)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file (default: no file)")

@@ -34,7 +34,7 @@ N and K smaller than a block, misaligned weight bases falling back from a table 
 checker's ``cvta`` exemption (an address conversion reads nothing; any access through the converted
 generic address is still flagged).
 
-GPU (``-m gpu``; also benchmarks/gpu_review12.py): the arg-max against CUDA's ``torch.argmax`` at
+GPU (``-m gpu``): the arg-max against CUDA's ``torch.argmax`` at
 serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside a CUDA graph.
 """
 

@@ -153,6 +153,7 @@ class Context:
         return self._engine
 
     def close(self) -> None:
+        """Shut the engine down and free its memory (a no-op without one)."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -185,8 +186,13 @@ def _sync(device: str) -> None:
 
 
 def _empty_cache(device: str) -> None:
+    """Free what a shut-down engine held: collect its reference cycles, then return cached GPU memory
+    (the next engine sizes its KV pool from the free memory)."""
+    import gc
+
     import torch
 
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
@@ -276,6 +282,7 @@ def fig_accuracy(ctx: Context) -> list[Row]:
             kv_greedy = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
             llm.shutdown()
+        del llm, runner, logits
         _empty_cache(ctx.device)
         hf = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
         hf = hf.to(ctx.device).eval()
@@ -443,17 +450,63 @@ def fig_serve(ctx: Context) -> list[Row]:
     return rows
 
 
+class StepLog:
+    """A stat logger (`LLM.add_stat_logger`) splitting a run's steps into decode-only steps and steps
+    that carry prefill tokens: count, seconds, mean step time and batch (where an offline run's time goes)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int, int, int]] = []
+        self.lock = threading.Lock()
+        self.on = False
+
+    def __call__(self, s) -> None:
+        if self.on and s.num_scheduled_tokens:
+            with self.lock:
+                self.rows.append((s.iter_latency_s, s.num_scheduled_tokens, s.num_context_requests,
+                                  s.num_generation_requests))
+
+    def summary(self) -> dict:
+        def part(rows):
+            if not rows:
+                return {"steps": 0}
+            return {"steps": len(rows), "seconds": sum(r[0] for r in rows),
+                    "mean_ms": 1e3 * statistics.fmean(r[0] for r in rows),
+                    "mean_tokens": statistics.fmean(r[1] for r in rows),
+                    "mean_generation_requests": statistics.fmean(r[3] for r in rows)}
+
+        with self.lock:
+            rows = list(self.rows)
+        return {"decode_only": part([r for r in rows if r[2] == 0]),
+                "with_prefill": part([r for r in rows if r[2] > 0])}
+
+
 def _offline(ctx: Context, kv_dtype: str, name: str) -> list[Row]:
     from kvpilot.tools.bench_offline import run_throughput
 
     s = ctx.sizes
     llm = ctx.engine(kv_dtype)
-    r = run_throughput(llm, _prompts(ctx, s.offline_prompts, s.offline_in, seed=1), s.offline_out)
+    log = StepLog()
+    loggers = llm._loop.stat_loggers
+    n_loggers = len(loggers)
+    llm.add_stat_logger(log)
+    try:
+        log.on = True
+        r = run_throughput(llm, _prompts(ctx, s.offline_prompts, s.offline_in, seed=1), s.offline_out)
+        log.on = False
+    finally:
+        del loggers[n_loggers:]
+    r["steps"] = log.summary()
     ctx.results[name] = r
     label = "FP8" if kv_dtype == "fp8" else ("bf16" if not ctx.dry_run else "model-dtype")
-    return [Row(name, f"offline {s.offline_prompts} x ({s.offline_in} in + {s.offline_out} out), {label} KV",
+    rows = [Row(name, f"offline {s.offline_prompts} x ({s.offline_in} in + {s.offline_out} out), {label} KV",
                 r["output_tokens_per_s"], "output tok/s",
                 "target 12,000" if kv_dtype == "fp8" else f"{r['max_concurrency']} in flight")]
+    d = r["steps"]["decode_only"]
+    if d["steps"]:
+        rows.append(Row(name, f"{label} KV: decode-only step ({d['steps']} steps, batch "
+                              f"{d['mean_generation_requests']:.0f})", d["mean_ms"], "ms",
+                        f"{r['max_concurrency']} in flight"))
+    return rows
 
 
 def fig_offline(ctx: Context) -> list[Row]:

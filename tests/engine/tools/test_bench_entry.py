@@ -48,6 +48,10 @@ def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     assert m["decode-b1"]["floor_itl_s"] > 0 and m["copy_bandwidth_Bps"] > 0
     assert m["offline"]["output_tokens"] == 12 * 16 and m["offline-bf16"]["output_tokens"] == 12 * 16
     assert m["batch64"]["output_tokens"] == 8 * 12
+    # every scheduled token of the fresh bf16 engine's run: 12 prompts of 24, then 15 decodes each
+    steps = m["offline-bf16"]["steps"]
+    scheduled = sum(p["steps"] * p["mean_tokens"] for p in steps.values() if p["steps"])
+    assert round(scheduled) == 12 * 24 + 12 * 15 and steps["decode_only"]["steps"] >= 15
     assert [run["concurrency"] for run in m["http"]] == [1, 4]
     assert all(run["failed"] == 0 and run["total_output_tokens"] == n * 8
                for run, n in zip(m["http"], (2, 8)))

@@ -57,6 +57,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = "/tmp/kvpilot-llama8b-random"
 
 
+class BenchSetupError(RuntimeError):
+    """The benchmarks cannot start here (no CUDA GPU for the full figures)."""
+
+
 @dataclass
 class Row:
     """One line of the results table.
@@ -555,6 +559,9 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
     """The shared context; writes the random model to ``model_dir`` if it holds no ``config.json``.
 
     ``dry_run`` uses `kvpilot.tools.random_model.TINY` on the CPU (``model_dir`` default: a temp dir).
+
+    Raises:
+        BenchSetupError: not ``dry_run`` and ``device`` is not an available CUDA device.
     """
     import torch
 
@@ -567,6 +574,10 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
     else:
         cfg = LLAMA31_8B
         dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if not dev.startswith("cuda") or not torch.cuda.is_available():
+            raise BenchSetupError(f"the figures run an 8B-shaped model on a CUDA GPU, and device {dev!r} is not one "
+                                  f"(CUDA available: {torch.cuda.is_available()}); --dry-run runs them on a tiny "
+                                  f"model on the CPU")
         path = Path(model_dir or DEFAULT_MODEL_DIR)
         sizes, mbs, msl = (QUICK if quick else Sizes()), 512, 32768 + 256
     if not (path / "config.json").is_file():
@@ -696,7 +707,11 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
     if args.accuracy_layers < 1:
         raise SystemExit("--accuracy-layers must be >= 1")
     started = time.perf_counter()
-    ctx = make_context(args.device, args.model_dir, args.quick, args.dry_run, args.accuracy_layers)
+    try:
+        ctx = make_context(args.device, args.model_dir, args.quick, args.dry_run, args.accuracy_layers)
+    except BenchSetupError as exc:
+        print(f"kvpilot bench: {exc}", file=sys.stderr)
+        return 2
     rows, report = run_figures(ctx, names, args.out, echo=lambda s: print(s, file=sys.stderr, flush=True),
                                started=started)
     print(format_table(rows, report), flush=True)

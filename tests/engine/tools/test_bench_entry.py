@@ -97,3 +97,12 @@ def test_prefill_flops_counts_weights_attention_and_one_lm_head_row():
                num_key_value_heads=1, vocab_size=10)
     # per token per layer: q 8x8 + k,v 2 x 8x4 + o 8x8 + 3 x 8x16 = 576 weights; attention 2 x 2 x 2 x 4 x T(T+1)/2
     assert bench_figures.prefill_flops(cfg, 3) == 2 * 2 * 576 * 3 + 2 * 2 * 2 * 2 * 4 * 6 + 2 * 8 * 10
+
+
+def test_full_figures_without_a_gpu_stop_with_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "all", "--figures", "capacity"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA GPU" in err and "--dry-run" in err and "Traceback" not in err

@@ -1,4 +1,4 @@
-"""GPU check of the seventh-session review (b) (tests/test_review_session7b.py): padded eager prefill
+"""GPU check of the seventh-session review (b) (tests/engine/parallel/test_parallel_prefill_padding.py): padded eager prefill
 is one GPU's prefill-graph replay, bit for bit, on CUDA; and the ``out_dtype=float32`` cuBLAS path of
 the row-parallel reduction in fp16 and bf16.
 
@@ -64,7 +64,7 @@ def _run(runner, plan, mode: str, pg, buckets, device: str):
 
 class RandomSchedule:
     """A random engine-like schedule of prefill chunks and decodes over a block pool (also used by
-    tests/test_review_session7b.py on the CPU).
+    tests/engine/parallel/test_parallel_prefill_padding.py on the CPU).
 
     Up to ``max_seqs`` sequences live at once, each with ``width`` blocks of ``block`` tokens of the
     pool ``[0, num_blocks)``; a prompt is 2..40 tokens, or up to ``long_prompt``; each step takes a

@@ -1,5 +1,6 @@
 """Every benchmark script the repository's text cites (README, docs, BENCHMARKS.md, code, tests)
-exists, and the commands of BENCHMARKS.md's results table are `kvpilot bench` figures."""
+exists, so does every test file BENCHMARKS.md and benchmarks/ cite, and the commands of
+BENCHMARKS.md's results table are `kvpilot bench` figures."""
 
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def test_every_cited_benchmark_script_exists():
     missing = []
     for f in _text_files():
         for m in _CITED.finditer(f.read_text(errors="replace")):
+            if not (REPO / m.group(0)).exists():
+                missing.append(f"{f.relative_to(REPO)}: {m.group(0)}")
+    assert not missing, "cited but absent:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_test_files_cited_by_the_benchmarks_exist():
+    cited = re.compile(r"tests/[A-Za-z0-9_/]*[A-Za-z0-9_]\.py")
+    missing = []
+    for f in [REPO / "BENCHMARKS.md", *(REPO / "benchmarks").rglob("*.py"), *(REPO / "benchmarks").rglob("*.md")]:
+        for m in cited.finditer(f.read_text()):
             if not (REPO / m.group(0)).exists():
                 missing.append(f"{f.relative_to(REPO)}: {m.group(0)}")
     assert not missing, "cited but absent:\n" + "\n".join(sorted(set(missing)))

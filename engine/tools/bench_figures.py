@@ -587,7 +587,8 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
 
 
 def run_figures(ctx: Context, names: list[str], out: Optional[str] = None,
-                echo: Callable[[str], None] = print, started: Optional[float] = None) -> tuple[list[Row], dict]:
+                echo: Callable[[str], None] = print, started: Optional[float] = None,
+                commit: Optional[str] = None) -> tuple[list[Row], dict]:
     """Run ``names`` in order, each in its own ``try``; returns the rows and the JSON-ready result.
 
     A failing figure yields one `Row` with ``value`` NaN and ``error`` set; the run goes on. With
@@ -604,7 +605,7 @@ def run_figures(ctx: Context, names: list[str], out: Optional[str] = None,
     rows: list[Row] = []
     meta = {"device": torch.cuda.get_device_name() if ctx.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "commit": _commit(), "model_dir": str(ctx.model_dir), "dry_run": ctx.dry_run,
+            "commit": commit or _commit(), "model_dir": str(ctx.model_dir), "dry_run": ctx.dry_run,
             "sizes": asdict(ctx.sizes), "settings": {"max_batch_size": ctx.max_batch_size, "max_num_tokens": 8192,
                                                      "max_seq_len": ctx.max_seq_len,
                                                      "free_gpu_memory_fraction": 0.9}}
@@ -694,6 +695,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy-layers", type=int, default=2,
                    help="decoder layers of the accuracy figure's Llama-3.1-8B-shaped model (default: 2)")
     p.add_argument("--out", default=None, help="write the rows and measurements as JSON to this file (default: no file)")
+    p.add_argument("--commit", default=None,
+                   help="commit recorded with the results (default: the checkout's `git rev-parse`, else unknown)")
 
 
 def configure_all(p: argparse.ArgumentParser) -> None:
@@ -713,7 +716,7 @@ def _run(args: argparse.Namespace, names: list[str]) -> int:
         print(f"kvpilot bench: {exc}", file=sys.stderr)
         return 2
     rows, report = run_figures(ctx, names, args.out, echo=lambda s: print(s, file=sys.stderr, flush=True),
-                               started=started)
+                               started=started, commit=args.commit)
     print(format_table(rows, report), flush=True)
     return 0 if all(r.value == r.value for r in rows) else 1
 

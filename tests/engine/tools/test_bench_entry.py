@@ -25,7 +25,8 @@ def dry_model(tmp_path_factory):
 
 def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     out = tmp_path / "results.json"
-    rc = cli.main(["bench", "all", "--dry-run", "--model-dir", str(dry_model), "--out", str(out)])
+    rc = cli.main(["bench", "all", "--dry-run", "--model-dir", str(dry_model), "--out", str(out),
+                   "--commit", "abc1234"])
     table = capsys.readouterr().out
     assert rc == 0, table
     report = json.loads(out.read_text())
@@ -33,6 +34,7 @@ def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     assert all(f["status"] == "ok" for f in report["figures"].values()), report["figures"]
     assert {"meta", "figures", "rows", "measurements", "total_s"} <= set(report)
     assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
+    assert report["meta"]["commit"] == "abc1234" and "commit abc1234" in table
     rows = report["rows"]
     assert {r["figure"] for r in rows} == set(EXPECTED_FIGURES)
     for r in rows:

@@ -9,9 +9,6 @@ engine's default (CUDA graphs, async scheduling, fused kernels).
 
 Figures (``FIGURES``; each returns table rows, see `Row`):
 
-- ``accuracy``: kvpilot against transformers (float32, CPU or GPU) on a random model of Llama-3.1-8B's
-  layer shape with ``--accuracy-layers`` layers: relative L2 error of the prefill logits
-  (``||kvpilot - hf|| / ||hf||``) and the share of prompts whose greedy tokens are identical.
 - ``prefill``: one 8,192-token prefill step (the runner's own step, nothing cached) in TFLOP/s, and
   as % of the bf16 matmul rate measured in the same run (an 8192^3 product).
 - ``decode-b1``: batch-1 inter-token latency (ITL) of 128 prompt + 512 generated tokens, median of 3,
@@ -28,10 +25,13 @@ Figures (``FIGURES``; each returns table rows, see `Row`):
 - ``offline-bf16``: ``offline`` with a bf16 KV cache.
 - ``capacity``: KV-cache pool tokens of the bf16-KV engine and of the FP8 one (when it ran), against
   ``0.9 x free bytes after the profiling pass / bytes per token``.
+- ``accuracy``: kvpilot against transformers (float32, CPU or GPU) on a random model of Llama-3.1-8B's
+  layer shape with ``--accuracy-layers`` layers: relative L2 error of the prefill logits
+  (``||kvpilot - hf|| / ||hf||``) and the share of prompts whose greedy tokens are identical.
 
-``kvpilot bench all`` runs the figures in one process in that order (one FP8 engine, then one bf16
-engine), each in its own ``try``: a failure prints an error row and the next figure runs. Results go to
-``--out`` (JSON, rewritten after every figure, so a run cut short keeps what it measured).
+``kvpilot bench all`` runs the figures in one process, in `FIGURES` order (one FP8-KV engine, then one
+bf16-KV engine, then the accuracy check's float32 engine and transformers), each in its own ``try``:
+a failure prints an error row and the next figure runs. Results go to ``--out`` (JSON, rewritten after every figure, so a run cut short keeps what it measured).
 ``--quick`` shrinks the workloads (figures then differ from the table's: for a smoke test on a GPU);
 ``--dry-run`` runs every figure on a tiny random Llama on the CPU in seconds (what CI tests).
 """
@@ -267,6 +267,7 @@ def fig_accuracy(ctx: Context) -> list[Row]:
     from kvpilot.runner.batch import ScheduledSeq
     from kvpilot.tools.random_model import write_random_llama
 
+    ctx.close()  # the shared engine holds most of the GPU's memory
     s = ctx.sizes
     cfg = dict(ctx.cfg, num_hidden_layers=min(ctx.accuracy_layers, ctx.cfg["num_hidden_layers"]))
     with tempfile.TemporaryDirectory(prefix="kvpilot-accuracy-") as tmp:
@@ -539,7 +540,6 @@ def fig_capacity(ctx: Context) -> list[Row]:
 
 
 FIGURES: dict[str, tuple[Callable[[Context], list[Row]], str]] = {
-    "accuracy": (fig_accuracy, "float32 prefill logits and greedy tokens against transformers"),
     "prefill": (fig_prefill, "8,192-token prefill step, TFLOP/s and its share of the matmul rate"),
     "decode-b1": (fig_decode_b1, "batch-1 decode ITL against the bandwidth floor (FP8 KV)"),
     "ttft": (fig_ttft, "time to first token, cold and with a cached 4,000-token prefix"),
@@ -548,8 +548,10 @@ FIGURES: dict[str, tuple[Callable[[Context], list[Row]], str]] = {
     "http": (fig_serve, "the HTTP server in-process: throughput, TTFT, ITL at concurrency 1 and 64"),
     "offline-bf16": (fig_offline_bf16, "offline 1,000 x (1k in + 1k out), bf16 KV, output tok/s"),
     "capacity": (fig_capacity, "KV-cache pool tokens (bf16 and FP8 KV)"),
+    "accuracy": (fig_accuracy, "float32 prefill logits and greedy tokens against transformers"),
 }
-"""Figure name -> (function, one-line help), in the order ``all`` runs them (FP8 engine, then bf16)."""
+"""Figure name -> (function, one-line help), in the order ``all`` runs them: the FP8-KV engine's
+figures (the headline ones first), the bf16-KV engine's, then accuracy with engines of its own."""
 
 
 # ---- running and reporting ------------------------------------------------------------------------
@@ -703,7 +705,7 @@ def configure_all(p: argparse.ArgumentParser) -> None:
     """Arguments of ``kvpilot bench all``."""
     _common(p)
     p.add_argument("--figures", default=",".join(FIGURES),
-                   help=f"comma-separated figures to run, in this order (default: all: {','.join(FIGURES)})")
+                   help=f"comma-separated figures to run, always in this order (default: all: {','.join(FIGURES)})")
 
 
 def _run(args: argparse.Namespace, names: list[str]) -> int:

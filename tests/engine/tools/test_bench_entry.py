@@ -11,8 +11,8 @@ import pytest
 from kvpilot import cli
 from kvpilot.tools import bench_figures
 
-EXPECTED_FIGURES = ["accuracy", "prefill", "decode-b1", "ttft", "batch64", "offline", "http", "offline-bf16",
-                    "capacity"]
+EXPECTED_FIGURES = ["prefill", "decode-b1", "ttft", "batch64", "offline", "http", "offline-bf16", "capacity",
+                    "accuracy"]
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "lab")]
 from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 from gpu_tp_profile import _layout  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Review session 10b: the one-shot all-reduce's start-up report and switches, and
-``benchmarks/gpu_tp_profile.py --sampled``.
+``benchmarks/lab/gpu_tp_profile.py --sampled``.
 
 - The ready message's ``one_shot_all_reduce`` must hold for every rank of the world, not only for the
   ranks that have a pipe: in a LeaderWorkerSet group the leader's front end hears only its own pod's
@@ -33,11 +33,11 @@ ROOT = REPO
 # ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------
 
 def _load_profile():
     spec = importlib.util.spec_from_file_location("gpu_tp_profile_under_test",
-                                                  ROOT / "benchmarks" / "gpu_tp_profile.py")
+                                                  ROOT / "benchmarks" / "lab" / "gpu_tp_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -164,8 +164,8 @@ def test_gpu_decode_lazy_rescale_is_bit_identical_at_serving_shape(monkeypatch, 
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
 
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    from gpu_review6 import decode_batch
+    sys.path.insert(0, str(TESTS.parent / "benchmarks" / "lab"))
+    from gpu_decode_sampler_checks import decode_batch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     args = decode_batch(kv, torch.randint(200, 3000, (96,), generator=g, device="cuda").int(), g)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import rms_norm_ref, silu_and_mul_ref
 from kvpilot.kernels import gemv as G
-from support.paths import BENCHMARKS
+from support.paths import BENCHMARK_LAB
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -189,8 +189,8 @@ def test_table_keeps_vec_and_early_weight_on_batch_one_rows_only():
 
 # ---- GPU: the launch table at other models' shapes, shards and dtypes ---------------------------
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_gemv_review8 import MODELS, check_model  # noqa: E402
+sys.path.insert(0, str(BENCHMARK_LAB))
+from gpu_gemv_shapes import MODELS, check_model  # noqa: E402
 
 
 @pytest.mark.gpu
@@ -202,5 +202,5 @@ def test_gpu_batch_one_table_at_model_shapes(model, dtype):
     N >= 16384, fma down) at Llama 8B, its tp-8 shard (partial K tiles), hidden 5120 (masked
     NORM_PAD), 70B tp 2 and 405B tp 4 (K = 8192 / 16384), against the references: ``h`` bit-exact,
     ``y`` within 1e-2 (16-bit) / 1e-5 (fp32) relative L2; o_proj with a strided bias and as an fp32
-    partial (benchmarks/gpu_gemv_review8.py, `check_model`)."""
+    partial (benchmarks/lab/gpu_gemv_shapes.py, `check_model`)."""
     assert check_model(*model, dtype) == []

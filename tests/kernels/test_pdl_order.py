@@ -13,7 +13,7 @@ reduction; rotary + KV write; RMSNorm), plus the source-level pairing of launch 
 They pass on the reviewed tree (Triton 3.9 here; the GPU machine's Triton 3.6 is checked by
 running ``tests/pdl_order_check.py`` there).
 
-The ``gpu`` tests provoke the race on an H200 (``benchmarks/gpu_pdl_review.py``): a late writer
+The ``gpu`` tests provoke the race on an H200 (``benchmarks/lab/gpu_pdl_races.py``): a late writer
 kernel that triggers its PDL successor at once and writes the successor's input only after
 spinning; the successor's output must equal the synchronised result, and a deliberately broken
 kernel (load before wait) must be caught (else the harness proves nothing).
@@ -232,10 +232,10 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper-or-newer
 
 
 def _review_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_pdl_review
+    sys.path.insert(0, str(ROOT / "benchmarks" / "lab"))
+    import gpu_pdl_races
 
-    return gpu_pdl_review
+    return gpu_pdl_races
 
 
 @pytest.mark.gpu
@@ -252,7 +252,7 @@ def test_gpu_negative_control_is_caught(monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_pdl_kernels_never_read_or_overwrite_early(monkeypatch):
-    """Every late-writer / late-reader case of benchmarks/gpu_pdl_review.py (Llama-3.1-8B shapes,
+    """Every late-writer / late-reader case of benchmarks/lab/gpu_pdl_races.py (Llama-3.1-8B shapes,
     1 and 8 rows, bf16 and FP8 caches, the qkv -> rotary -> attention -> o_proj chain), eagerly
     and from a CUDA graph: the output equals the synchronised call's, bit for bit."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)

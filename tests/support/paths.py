@@ -7,4 +7,5 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 BENCHMARKS = REPO / "benchmarks"
+BENCHMARK_LAB = BENCHMARKS / "lab"
 EXAMPLES = REPO / "examples"

@@ -1,5 +1,5 @@
 """Review session 10b: the one-shot all-reduce's start-up report and switches, and
-``benchmarks/gpu_tp_profile.py --sampled``.
+``benchmarks/lab/gpu_tp_profile.py --sampled``.
 
 - The ready message's ``one_shot_all_reduce`` must hold for every rank of the world, not only for the
   ranks that have a pipe: in a LeaderWorkerSet group the leader's front end hears only its own pod's
@@ -147,4 +147,4 @@ def test_bad_max_tokens_is_ignored_on_rocm(bad_max_tokens, monkeypatch):
     assert _spec(2, 1, "cuda").tp_size == 2  # switched off: not read either
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------

@@ -28,10 +28,10 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
-from support.paths import BENCHMARKS
+from support.paths import BENCHMARK_LAB
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_review7b_padding import RandomSchedule  # noqa: E402
+sys.path.insert(0, str(BENCHMARK_LAB))
+from gpu_prefill_padding import RandomSchedule  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,10 +122,10 @@ def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir,
 def test_padded_eager_steps_equal_prefill_graph_replays_over_a_random_run(model_dir):
     """Checked, right: over 40 random steps (chunked prefill at any offset, several sequences,
     decodes mixed in, chunks that do not sample, prompt-logprob chunks, steps past the largest
-    bucket; `gpu_review7b_padding.RandomSchedule`), a runner padding its eager steps
+    bucket; `gpu_prefill_padding.RandomSchedule`), a runner padding its eager steps
     (``prefill_pad_buckets``) returns the logits and rows of a runner replaying prefill graphs (CPU
     double), bit for bit, and leaves the same KV cache: padded tokens write no slot and padded
-    sequences read none. (benchmarks/gpu_review7b_padding.py checks the same on an H200, with cuBLAS
+    sequences read none. (benchmarks/lab/gpu_prefill_padding.py checks the same on an H200, with cuBLAS
     and the Triton attention kernels.)"""
     graph_runner, eager_runner = exactness_runner(model_dir), exactness_runner(model_dir)
     graphs = cpu_graph_class(PrefillGraphs)(graph_runner, token_buckets=BUCKETS)

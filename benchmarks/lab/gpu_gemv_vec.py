@@ -2,9 +2,9 @@
 
 Usage (one H200 after `pip install -e .`; about 2 minutes; ``--tp 2`` about 1 minute):
 
-    python3 benchmarks/gpu_gemv_vec.py [--layers 32] [--context 512] [--json PATH]
-    python3 benchmarks/gpu_gemv_vec.py --tp 2 [--ops qkv o gate_up down] [--json PATH]
-    python3 benchmarks/gpu_gemv_vec.py --tp 2 --compile-check     # no GPU: ptxas for sm_90 on the CPU
+    python3 benchmarks/lab/gpu_gemv_vec.py [--layers 32] [--context 512] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_vec.py --tp 2 [--ops qkv o gate_up down] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_vec.py --tp 2 --compile-check     # no GPU: ptxas for sm_90 on the CPU
 
 The fma path's register accumulator holds one fp32 partial sum per weight element of a tile
 (``[BLOCK_N, BLOCK_K]``: twice the registers of the tile itself), which caps a 4-warp program at 4
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_decode_layer as D  # noqa: E402
 import gpu_gemv as GB  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402

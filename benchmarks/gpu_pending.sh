@@ -25,8 +25,8 @@ step() {  # step NAME SECONDS COMMAND...: runs when NAME was asked for (or nothi
   echo "rc=$?"
   tail -n 25 "$OUT/$name.log"
 }
-step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_fused.py \
-  tests/test_kv_fp8.py tests/test_sampling_fast.py tests/test_kernels_gemv.py tests/test_gpu_cuda_graphs.py
+step gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_rotary_kv_write.py \
+  tests/kernels/test_kv_cache_fp8.py tests/engine/sampling/test_sampling_fast.py tests/kernels/test_gemv.py tests/engine/runner/test_cuda_graphs.py
 step sampler 150 python3 benchmarks/sampler_bench.py
 step decode_layer 120 python3 benchmarks/gpu_decode_layer.py
 step engine 560 python3 benchmarks/gpu_recheck.py --num-prompts 1000 --kv-dtype auto fp8 --out "$OUT"

@@ -1,4 +1,4 @@
-"""GPU check of the twelfth session's review (tests/test_review_session12.py): the greedy rows' Triton
+"""GPU check of the twelfth session's review (tests/engine/sampling/test_greedy_argmax.py): the greedy rows' Triton
 arg-max and the "tma" GEMV kind on an H200, against CUDA's own references.
 
 1. ``kvpilot.kernels.sampling.argmax`` / ``kvpilot.sampling.sampler.greedy_ids`` against ``torch.argmax(dim=-1)``

@@ -1,4 +1,4 @@
-"""GPU check of the seventh session's review of beam re-admission (tests/test_review_session7.py).
+"""GPU check of the seventh session's review of beam re-admission (tests/engine/core/test_beam_token_budget.py).
 
 Beam requests and long greedy requests on the CUDA engine (graphs, async scheduling on and off), a
 random float32 Llama of the `TINY` shape with peaked distributions (std 0.2, so that no two beam
@@ -11,7 +11,7 @@ candidates tie), every request compared with a reference run that neither preemp
   budget, and the engine stepped forever (a livelock: reported as such here);
 - ``both``: all 16 requests, a pool of 20 blocks and ``max_num_tokens`` 12.
 
-Each run is stepped by hand (as tests/test_beam_preemption.py `_drive`) and stops as a livelock
+Each run is stepped by hand (as tests/engine/core/test_beam_preemption.py `_drive`) and stops as a livelock
 after 400 steps in a row without a new token. Prints one table row per run (steps, preemptions,
 wall seconds, generated tokens/s) and exits 1 if any request differs from the reference (tokens, or
 cumulative log-probability by more than 1e-3) or a run livelocks. About a minute on an H200.

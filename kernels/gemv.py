@@ -278,7 +278,7 @@ NORM_ONE_LOAD_MAX = 4096
 """Largest ``block_m * next_pow2(K)`` for the one-load RMSNorm pass (``launch_config``), which also
 gates ``early_weight``: measured at K = 4096 (Llama-3.1-8B). Above it ptxas needs more registers
 than the launch table's programs per SM allow (K = 16384: 164 for the ``vec`` row, 250 for gate/up's,
-from a CPU compile for sm_90; tests/test_review_session8.py), so larger hidden sizes keep the
+from a CPU compile for sm_90; tests/kernels/test_gemv_batch_one.py), so larger hidden sizes keep the
 K-tile loop until measured."""
 
 

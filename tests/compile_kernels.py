@@ -33,7 +33,7 @@ Usage (never with ``/work/main`` as the current directory: ``operator/`` shadows
 
 ``TRITON_INTERPRET`` is removed from the environment here, before Triton is imported. Compiled
 kernels go to Triton's cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``); point it at an
-empty directory to really compile (``tests/test_kernels_compile.py`` does). Exit status: 0 when
+empty directory to really compile (``tests/kernels/test_compile.py`` does). Exit status: 0 when
 everything compiled, 1 on any failure, 2 on bad arguments, 3 (with a line starting "SKIP") when
 this Triton has no ptxas for sm_90.
 
@@ -728,7 +728,7 @@ def _selftest_helper(x):
 
 @triton.jit
 def _selftest_kernel(x_ptr, idx_ptr, n):
-    # The bug pattern of sampling.draw (fixed): a placeholder buffer of the wrong dtype makes a
+    # A pattern sampling.draw must avoid: a placeholder buffer of the wrong dtype makes a
     # loop-carried variable change type. Under TRITON_INTERPRET=1 with n = 0 this "works".
     best = tl.full((), 0, tl.int32)
     i = 0

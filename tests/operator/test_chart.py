@@ -1,5 +1,6 @@
-"""The Helm chart, checked without helm: the CRD copy, the values schema, the peering CRDs, and
-that the RBAC rules grant exactly the verbs the operator's code uses."""
+"""The Helm chart: the CRD copy, the values schema, the peering CRDs, and that the RBAC rules grant
+exactly the verbs the operator's code uses (the e2e tests check every request against the RBAC
+that ``helm template`` renders; see support/rbac.py)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def _namespaced_rules(peering: bool) -> list[dict]:
     text = (CHART / "templates" / "_helpers.tpl").read_text()
     block = re.search(r'define "kvpilot.namespacedRules" -}}\n(.*?)\n{{- end -}}', text, re.S).group(1)
     # Resolve the one conditional in the block by hand, then it is plain YAML.
-    block = re.sub(r"{{- if \.Values\.peering\.enabled }}\n(.*?){{- end }}", r"\1" if peering else "", block, flags=re.S)
+    block = re.sub(r"{{- /\*.*?\*/}}\n", "", block)
+    block = re.sub(r"{{- if and \.Values\.peering\.enabled \.Values\.watchNamespaces }}\n(.*?){{- end }}",
+                   r"\1" if peering else "", block, flags=re.S)
     return yaml.safe_load(block)
 
 
@@ -74,16 +77,30 @@ def _grants(rules: list[dict]) -> set[tuple[str, str, str]]:
 
 
 def test_rbac_grants_what_the_operator_does():
+    from support import rbac
+
     grants = _grants(_namespaced_rules(peering=True))
+    # What helm renders (cluster-wide, peering on) is the same set plus kopf's cluster-scoped reads.
+    cluster = rbac.grants(rbac.chart_rules())
+    assert cluster - grants == {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} \
+        | {("", "namespaces", v) for v in ("list", "watch")} \
+        | {("kopf.dev", "clusterkopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    assert grants - cluster == {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
+    # Watching namespaces: a Role per namespace with the namespaced peering objects.
+    role = rbac.grants(rbac.chart_rules("watchNamespaces={ml}", namespace="ml"))
+    assert role == grants | {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("list", "watch")} \
+        | {("", "namespaces", v) for v in ("list", "watch")}  # the discovery ClusterRole
     needed = {
         # kopf: watch the CRs; its annotations (progress, diff base) are patches.
         ("serving.kvpilot.io", "llmdeployments", v) for v in ("get", "list", "watch", "patch")
     } | {("serving.kvpilot.io", "llmdeployments/status", v) for v in ("get", "patch")} | {
-        # apply(): get, create, merge-patch; delete for the stale workload kind; kopf watches workloads.
-        (g, r, v) for g, r in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"))
+        # apply(): get, create, merge-patch; delete for the stale workload kind; kopf watches every
+        # child kind to repair drift.
+        (g, r, v) for g, r in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"),
+                               ("", "services"), ("policy", "poddisruptionbudgets"))
         for v in ("get", "list", "watch", "create", "patch", "delete")
-    } | {(g, r, v) for g, r in (("", "services"), ("policy", "poddisruptionbudgets")) for v in ("get", "create", "patch", "delete")} \
-      | {("", "pods", v) for v in ("get", "list", "watch")} | {("", "events", "create"), ("events.k8s.io", "events", "create")} \
+    } \
+      | {("", "pods", v) for v in ("list", "patch")} | {("", "events", "create")} \
       | {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}
     assert grants == needed  # least privilege: nothing more than that
     assert not any(r[1] == "kopfpeerings" for r in _grants(_namespaced_rules(peering=False)))

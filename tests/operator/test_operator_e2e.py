@@ -54,7 +54,7 @@ async def test_create_update_restart_and_quiet(operator_env):
     assert cr["status"]["selector"] == "app.kubernetes.io/component=engine,app.kubernetes.io/instance=llama,app.kubernetes.io/name=kvpilot"
     assert cr["status"]["desiredReplicas"] == 1 and cr["status"]["parallelism"] == "1x1"
     assert _conditions(cr) == {"Ready": ("False", "ReplicasNotReady"), "Progressing": ("True", "Scaling"),
-                               "Degraded": ("False", "AsExpected")}
+                               "Degraded": ("False", "AsExpected"), "Reconciled": ("True", "Applied")}
     assert cr["spec"] == make_cr("llama")["spec"], "the operator must never write the spec"
 
     # Readiness of the child flows into the CR's status.
@@ -63,7 +63,7 @@ async def test_create_update_restart_and_quiet(operator_env):
     cr = await env.wait_for(lambda: _conditions(env.get("LLMDeployment", NAMESPACE, "llama"))["Ready"][0] == "True"
                             and env.get("LLMDeployment", NAMESPACE, "llama"))
     assert _conditions(cr) == {"Ready": ("True", "ReplicasReady"), "Progressing": ("False", "Settled"),
-                               "Degraded": ("False", "AsExpected")}
+                               "Degraded": ("False", "AsExpected"), "Reconciled": ("True", "Applied")}
     assert cr["status"]["readyReplicas"] == 1
 
     # Settled: no writes at all.

@@ -8,8 +8,7 @@ shared blocks are never registered in the prefix cache, and cached blocks are ta
 allocation can evict them; the plan's block count equals what admission takes from the free queue;
 chunked recompute; async scheduling (readiness is read from counts advanced after the step that
 computes the blocks is launched). CPU tests take seconds (the scheduler simulation
-`support.beams._SimEngine`, or stories260K); the ``gpu`` test needs a CUDA GPU
-(benchmarks/gpu_review7.py covers more settings)."""
+`support.beams._SimEngine`, or stories260K); the ``gpu`` test needs a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -140,9 +139,8 @@ def test_abort_while_a_readmitted_beam_waits_frees_every_block(stories_model_dir
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_gpu_beam_requests_with_a_budget_of_their_width(tiny, monkeypatch, async_scheduling):
-    """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine
-    (benchmarks/gpu_review7.py runs it at more settings): each returns what it returns with a large
-    budget."""
+    """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine: each
+    returns what it returns with a large budget."""
     d, _model = tiny
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=16, ignore_eos=True)

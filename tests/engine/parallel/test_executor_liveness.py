@@ -20,7 +20,6 @@ pytestmark = pytest.mark.timeout(180)
 
 # The tiny model and its single-process outputs (module-scoped fixtures of the LWS tests).
 from support.parallel import tiny_model_dir, tiny_single_reference  # noqa: E402, F401
-from support.paths import BENCHMARKS
 
 
 def test_step_timing_in_a_multi_node_group_keeps_the_engine_alive(tmp_path, tiny_model_dir,
@@ -131,8 +130,7 @@ def test_gpu_dead_tp_peer_fails_requests_quickly(tmp_path, event):
     now) instead of watching the worker processes; the NCCL timeout is set far above the bound here."""
     import torch
 
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     shape = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,

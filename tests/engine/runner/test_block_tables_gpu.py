@@ -21,7 +21,8 @@ def test_graph_steps_with_persistent_tables_equal_fresh_tables(tmp_path):
     B = 16
     path = make_tiny_llama(tmp_path / "m", seed=9, layers=2)
     with LLM(str(path), skip_tokenizer_init=True, device="cuda", dtype="float32", max_batch_size=64,
-             max_seq_len=1024, kv_cache_config=KvCacheConfig(tokens_per_block=B, max_tokens=64 * 1024)) as llm:
+             max_seq_len=1024, allow_long_max_seq_len=True,  # 256-position model, 700-token rows
+             kv_cache_config=KvCacheConfig(tokens_per_block=B, max_tokens=64 * 1024)) as llm:
         runner = llm._executor
         assert runner.graphs is not None
         torch.manual_seed(0)

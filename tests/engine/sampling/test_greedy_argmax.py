@@ -11,7 +11,7 @@
   rank's ``tok_buf[:n]``); the "torch"/"exact" sampler backends never reach the kernel.
 - The sampler kernels refuse vocabularies past their grid, and the sampler then takes torch.
 
-GPU (``-m gpu``; also benchmarks/gpu_review12.py): the arg-max against CUDA's ``torch.argmax`` at
+GPU (``-m gpu``): the arg-max against CUDA's ``torch.argmax`` at
 serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside a CUDA graph."""
 
 from __future__ import annotations

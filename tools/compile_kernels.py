@@ -28,7 +28,7 @@ forced (see ``GPU_CONSTEXPRS`` and ``_patch_gpu_paths``), so the GPU path is the
 
 Usage (never with ``/work/main`` as the current directory: ``operator/`` shadows the stdlib)::
 
-    cd /tmp && /path/to/.venv/bin/python /path/to/tests/compile_kernels.py \
+    cd /tmp && /path/to/.venv/bin/python /path/to/tools/compile_kernels.py \
         [--only SUBSTR ...] [--jobs N] [--list] [--self-test]
 
 ``TRITON_INTERPRET`` is removed from the environment here, before Triton is imported. Compiled
@@ -895,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         for helper in sorted(inside):
             print(f"{helper}: helper, compiled inside {inside[helper]}")
         for name in missing:
-            failures.append(f"{name}: @triton.jit kernel never compiled (add a case to tests/compile_kernels.py)")
+            failures.append(f"{name}: @triton.jit kernel never compiled (add a case to tools/compile_kernels.py)")
         for key in sorted(set(GPU_CONSTEXPRS) - overrides_used):
             failures.append(f"GPU_CONSTEXPRS entry {key} matched no launch: the wrapper changed; "
                             "check which path it now takes on CUDA")

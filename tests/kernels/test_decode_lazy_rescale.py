@@ -15,10 +15,8 @@ import pytest
 import torch
 
 
-from support.beams import tiny# noqa: F401 (tiny: the model fixture)
-from support.paths import TESTS
+from support.paths import TOOLS, load_benchmark
 
-TESTS = TESTS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
@@ -38,7 +36,7 @@ def _run_script(tmp_path: Path, source: str, *args: str) -> str:
     script.write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, str(script), str(TESTS), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(TOOLS), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -89,9 +87,11 @@ def test_lazy_rescale_padded_gqa_rows_and_underflowing_alpha(monkeypatch, num_sp
 
 
 _FMA_SCRIPT = """
-import re, sys
-sys.path.insert(0, sys.argv[1])
-import compile_kernels as ck  # removes TRITON_INTERPRET; compiles for sm_90 without a GPU
+import re
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("compile_kernels", sys.argv[1] + "/compile_kernels.py")
+ck = sys.modules["compile_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ck)  # tools/compile_kernels.py: removes TRITON_INTERPRET; compiles for sm_90 without a GPU
 ck.install()
 ck._patch_gpu_paths()
 import torch
@@ -145,8 +145,7 @@ def test_gpu_decode_lazy_rescale_is_bit_identical_at_serving_shape(monkeypatch, 
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
 
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    from gpu_review6 import decode_batch
+    decode_batch = load_benchmark("gpu_review6").decode_batch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     args = decode_batch(kv, torch.randint(200, 3000, (96,), generator=g, device="cuda").int(), g)

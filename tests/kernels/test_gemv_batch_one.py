@@ -10,7 +10,6 @@ shapes of Llama 3.x models, their tensor-parallel shards and other dtypes."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import rms_norm_ref, silu_and_mul_ref
 from kvpilot.kernels import gemv as G
-from support.paths import BENCHMARKS
+from support.paths import load_benchmark
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -182,8 +181,8 @@ def test_table_keeps_vec_and_early_weight_on_batch_one_rows_only():
 
 # ---- GPU: the launch table at other models' shapes, shards and dtypes ---------------------------
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_gemv_review8 import MODELS, check_model  # noqa: E402
+_review8 = load_benchmark("gpu_gemv_review8")
+MODELS, check_model = _review8.MODELS, _review8.check_model
 
 
 @pytest.mark.gpu

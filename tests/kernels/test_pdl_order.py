@@ -9,7 +9,7 @@ CPU tests here check both on what Triton and ptxas produce for sm_90, for every 
 wrappers launch with PDL (GEMV M = 1, 2 and 8, where M = 8 is a 3-stage ``cp.async`` pipeline;
 attention with and without splits, bf16 and FP8; the reduction; rotary + KV write; RMSNorm), plus
 the source-level pairing of launch attribute and wait. On a GPU machine with another Triton, run
-``tests/pdl_order_check.py`` there. PDL is off on ROCm GPUs (`kernels/pdl._capable`: Hopper only).
+``tools/pdl_order_check.py`` there. PDL is off on ROCm GPUs (`kernels/pdl._capable`: Hopper only).
 
 The ``gpu`` tests provoke the race on an H200 (``benchmarks/gpu_pdl_review.py``): a late writer
 kernel that triggers its PDL successor at once and writes the successor's input only after
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.paths import TESTS
+from support.paths import REPO, TOOLS, load_benchmark
 
-TESTS = TESTS
-ROOT = TESTS.parent
+ROOT = REPO
 KERNELS = ROOT / "kernels"
-CHECKER = TESTS / "pdl_order_check.py"
+CHECKER = TOOLS / "pdl_order_check.py"
 
 
 def _needs_nvidia_backend() -> None:
@@ -46,7 +45,7 @@ def _needs_nvidia_backend() -> None:
 
 
 def _run_checker(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """tests/pdl_order_check.py in a fresh interpreter without TRITON_INTERPRET (kernels must be
+    """tools/pdl_order_check.py in a fresh interpreter without TRITON_INTERPRET (kernels must be
     real JITFunctions), from ``tmp_path`` (the repository's ``operator/`` must not shadow the
     stdlib)."""
     _needs_nvidia_backend()
@@ -104,7 +103,7 @@ def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return out
 
 
-# (tests/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
+# (tools/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
 # compile-only runs.)
 # The pointers each may load before its wait: the step's metadata and the rotary table.
 _EARLY_LOADS = {"_rotary_decode_kernel": {"qsl_ptr", "seq_lens_ptr", "pos_ptr", "cos_sin_ptr", "slot_ptr",
@@ -224,10 +223,7 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper-or-newer
 
 
 def _review_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_pdl_review
-
-    return gpu_pdl_review
+    return load_benchmark("gpu_pdl_review")
 
 
 @pytest.mark.gpu

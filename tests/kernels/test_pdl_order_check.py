@@ -1,4 +1,4 @@
-"""The PDL order checker (tests/pdl_order_check.py) itself: address conversions (``cvta``) are allowed
+"""The PDL order checker (tools/pdl_order_check.py) itself: address conversions (``cvta``) are allowed
 before ``griddepcontrol.wait`` (they read nothing; any access through the converted generic address
 is still flagged), early loads allow plain loads and branches only, and ``--scan-cache`` checks every
 kernel with a ``USE_PDL`` parameter (names taken from the kernels' sources)."""
@@ -12,18 +12,15 @@ import subprocess
 import sys
 
 
-from kvpilot.kernels import gemv as G
-from kvpilot.kernels import sampling as KS
-from support.paths import TESTS
+from support.paths import REPO, TOOLS
 
-TESTS = TESTS
 
 
 # ---- the PDL checker's cvta exemption ----------------------------------------------------------
 def _ptx_problems():
-    """``ptx_problems`` of tests/pdl_order_check.py without importing it (the import removes
+    """``ptx_problems`` of tools/pdl_order_check.py without importing it (the import removes
     TRITON_INTERPRET from this process's environment and installs compile-only machinery)."""
-    src = (TESTS / "pdl_order_check.py").read_text()
+    src = (TOOLS / "pdl_order_check.py").read_text()
     wanted = {"_PTX_MEM", "_PTX_OK_SPACES", "_PTX_LOADS", "_ptx_instructions", "ptx_problems"}
     body = [n for n in ast.parse(src).body
             if (isinstance(n, ast.FunctionDef) and n.name in wanted)
@@ -61,7 +58,7 @@ def test_pdl_checker_allows_address_conversions_only():
 def _pdl_kernel_names() -> set[str]:
     """Functions of kernels/*.py (not pdl.py's helpers) with a ``USE_PDL`` parameter, from the sources."""
     names = set()
-    for path in (TESTS.parent / "kernels").glob("*.py"):
+    for path in (REPO / "kernels").glob("*.py"):
         if path.name != "pdl.py":
             names |= {n.name for n in ast.walk(ast.parse(path.read_text()))
                       if isinstance(n, ast.FunctionDef) and "USE_PDL" in [a.arg for a in n.args.args]}
@@ -99,7 +96,7 @@ def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
             f"\t{access}\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n"
             f"\tret;\n}}\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(TESTS / "pdl_order_check.py"), "--scan-cache", str(cache)],
+    proc = subprocess.run([sys.executable, str(TOOLS / "pdl_order_check.py"), "--scan-cache", str(cache)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     flagged = {re.search(r"/(\w+)\.ptx: memory access before the wait", line).group(1)

@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-# Sibling test module (pytest puts tests/ on sys.path): the shared paged-batch builder and the naive
-# dense attention.
+# The shared paged-batch builder and the naive dense attention.
 from support.paged_attention import make_paged_batch, naive_attention
 
 from kvpilot.kernels import (

@@ -7,7 +7,6 @@ CPU only: the tiny random Llama of `support.engine._checkpoint`, the CPU doubles
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +21,9 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
-from support.paths import BENCHMARKS
+from support.paths import load_benchmark
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_review7b_padding import RandomSchedule  # noqa: E402
+RandomSchedule = load_benchmark("gpu_review7b_padding").RandomSchedule
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,10 +16,8 @@ import torch
 
 from kvpilot.sampling.sampler import Sampler, SamplingRow
 
-from support.beams import tiny# noqa: F401 (tiny: the model fixture)
-from support.paths import TESTS
+from support.paths import TOOLS
 
-TESTS = TESTS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
 
@@ -38,7 +36,7 @@ def _run_script(tmp_path: Path, source: str, *args: str) -> str:
     script.write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, str(script), str(TESTS), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(TOOLS), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -112,9 +110,11 @@ def test_all_nan_greedy_and_plain_rows_get_token_0():
 
 
 _SPECIALIZATION_SCRIPT = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import compile_kernels as ck  # removes TRITON_INTERPRET; its fake driver reports an sm_90 GPU
+import json
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("compile_kernels", sys.argv[1] + "/compile_kernels.py")
+ck = sys.modules["compile_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ck)  # tools/compile_kernels.py: removes TRITON_INTERPRET; its fake driver reports an sm_90 GPU
 import torch, triton
 from triton.runtime.jit import JITFunction, compute_cache_key
 triton.runtime.driver.set_active(ck.FakeCudaDriver())

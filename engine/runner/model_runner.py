@@ -53,7 +53,8 @@ from kvpilot.runner.batch import ScheduledSeq  # noqa: F401  (the runner's input
 from kvpilot.runner.block_tables import HostBlockTables
 from kvpilot.config import KvCacheConfig, cpu_kv_cache_bytes
 from kvpilot.model.config import ModelConfig
-from kvpilot.model.llama import AttentionMetadata, LlamaForCausalLM, ParallelContext
+from kvpilot.model.layers import AttentionMetadata, ParallelContext
+from kvpilot.model.registry import model_class
 from kvpilot.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -245,14 +246,13 @@ class ModelRunner:
         cfg.raw["_model_dir"] = str(model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, pc, layer_range)
+            model = model_class(cfg.architecture)(cfg, pc, layer_range)
         # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
         model = model.to(self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
         model.eval()
         rope_len = max(max_seq_len, cfg.max_position_embeddings)
-        model.set_rope_cache(K.build_rope_cache(cfg.head_dim, rope_len, cfg.rope_theta, cfg.rope_scaling,
-                                                device=self.device))
+        model.init_rope(rope_len, self.device)
         self.model = model
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.device.type == "cuda":
@@ -514,7 +514,7 @@ class ModelRunner:
         context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
         count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
         and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
-        On an H200 before this existed (`benchmarks/gpu_concurrency.py`, fourteenth session), the
+        On an H200 before this existed (`benchmarks/lab/gpu_concurrency.py`, fourteenth session), the
         first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
 
         The steps, eager whatever their size (no graph, no graph padding):

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import errno
 import logging
-import os
 import signal
 import socket
 from typing import Any, Optional
@@ -19,6 +18,7 @@ from typing import Any, Optional
 import uvicorn
 
 from kvpilot.config import KV_CACHE_DTYPES
+from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
 from kvpilot.server.state import ServerState
@@ -61,7 +61,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
                              "(default: MODEL exactly as given on the command line)")
-    parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
                         help="Jinja chat template overriding the tokenizer's: a file, an inline template, "

@@ -354,7 +354,7 @@ def _make_executor(llm: LLM, device: str, dtype: str):
     from kvpilot.runner.model_runner import ModelRunner
 
     if llm.tensor_parallel_size * llm.pipeline_parallel_size > 1:
-        from kvpilot.parallel.executor import MultiprocExecutor  # noqa: F401  (issue: tensor/pipeline parallelism)
+        from kvpilot.parallel.executor import MultiprocExecutor
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,

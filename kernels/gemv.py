@@ -309,7 +309,7 @@ _cfg = launch_config
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
 # GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
 # 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
-# (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
+# (bf16 or FP8 KV cache; BENCHMARKS.md). A "tma" row would keep an fma row behind it
 # for the weights and devices TMA cannot serve.
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [

@@ -64,8 +64,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file (or inline template) overriding the tokenizer's "
-                             "(default: the tokenizer's own chat_template)")
+                        help="Jinja chat template overriding the tokenizer's: a file, an inline template, "
+                             "or a bundled one by name ('plain': the messages' contents in order, for base "
+                             "models such as stories260K) (default: the tokenizer's own chat_template)")
     parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,

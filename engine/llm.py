@@ -26,6 +26,7 @@ from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (Engin
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
+from kvpilot.text import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this LLM was created with skip_tokenizer_init=True: give prompts as token ids")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             if not ids and self.model_config.bos_token_id is not None:
                 ids = [self.model_config.bos_token_id]

@@ -51,7 +51,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
             outputs.append(llm.generate_async(ids, params, streaming=streaming))
     except (ValueError, TypeError) as exc:
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         msg = str(exc)
         field = msg.split(" ", 1)[0]  # engine messages start with the field they are about
         if field in SamplingParams.field_names() and field != "max_tokens":
@@ -61,7 +61,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
         raise APIError(msg, param=param) from None
     except RuntimeError as exc:  # EngineDeadError: the engine loop has stopped
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         raise APIError(f"the engine is not running: {exc}", status=503) from None
     return outputs
 

@@ -28,25 +28,47 @@ import json
 import sys
 
 import torch
+import triton.testing
 
 import kvpilot.kernels as K
 from kvpilot.kernels.attention import paged_attention_triton
 
-# The shapes, the paged-batch builder and the timing of the kernel benchmark (this script's folder
-# is on sys.path when it runs).
-from kernels_gpu import BLOCK, DT, HEAD_DIM, HEADS, KV_HEADS, bench, rel_err  # noqa: E402
-from kernels_gpu import paged_batch as _kernels_paged_batch  # noqa: E402
-
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 32
+DT = torch.bfloat16
 CAP = 50.0
 MAX_ERR = 0.02
 
 
-def paged_batch(q_lens: list[int], seq_lens: list[int]) -> list:
-    """A random paged batch (pages shuffled over the cache) whose sequence ``i`` has ``seq_lens[i]``
-    keys, the last ``q_lens[i]`` of them this step's queries: the arguments of
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / (1 + |ref|): one bf16 rounding stays below 0.004."""
+    out, ref = out.float(), ref.float()
+    return ((out - ref).abs() / (1 + ref.abs())).max().item()
+
+
+def bench(fn) -> float:
+    """Median milliseconds of ``fn`` (`triton.testing.do_bench`)."""
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int = 0) -> list:
+    """A random bf16 paged batch whose sequence ``i`` has ``seq_lens[i]`` keys, the last ``q_lens[i]``
+    of them this step's queries, its pages shuffled over the cache: the arguments of
     `paged_attention_triton`, as a list."""
-    args, _ = _kernels_paged_batch(q_lens, [s - q for s, q in zip(seq_lens, q_lens)])
-    return list(args)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [-(-s // BLOCK) for s in seq_lens]
+    perm = torch.randperm(sum(pages), device="cuda", generator=g).int()
+    tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    start = 0
+    for i, n in enumerate(pages):
+        tables[i, :n] = perm[start: start + n]
+        start += n
+    shape = (sum(pages), BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=g, dtype=DT)
+    v_cache = torch.randn(shape, device="cuda", generator=g, dtype=DT)
+    q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", generator=g, dtype=DT)
+    qsl = torch.tensor([0] + q_lens, device="cuda").cumsum(0).int()
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    return [q, k_cache, v_cache, tables, sl, qsl, HEAD_DIM ** -0.5, max(q_lens), max(seq_lens)]
 
 
 def check_slice(args, out, kw, seqs: int | None = None, last_queries: int | None = None) -> float:

@@ -21,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 _LOG2E = 1.4426950408889634
 
-# Launch parameters, chosen by benchmarks/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
+# Launch parameters, chosen by benchmarks/lab/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
 # halved for head_dim > 128 to bound registers. Module-level so the benchmark can sweep them.
 TUNING = {
     # Decode contexts are split only when (sequences x kv heads) < no_split_per_sm * SMs, into
@@ -368,4 +370,4 @@ def attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def interpreting() -> bool:
     """Whether Triton runs on its CPU interpreter (``TRITON_INTERPRET=1``): compile options such as
     ``maxnreg`` have no meaning there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.triton_interpret()

@@ -63,6 +63,8 @@ import torch.nn.functional as F
 
 from .reference import gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
 
+from kvpilot import envs
+
 try:  # the references and dispatchers work without Triton
     import triton
     import triton.language as tl
@@ -303,9 +305,9 @@ K-tile loop until measured."""
 
 _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
-# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/gpu_gemv.py --sweep
+# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/lab/gpu_gemv.py --sweep
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
-# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/gpu_gemv_tma.py)
+# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
 # 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
 # (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
 # for the weights and devices TMA cannot serve.
@@ -692,7 +694,7 @@ def tma_enabled() -> bool:
 def _tma_device(device: torch.device) -> bool:
     # TMA is sm_90+ (Hopper); the CPU interpreter emulates tensor descriptors.
     if device.type != "cuda":
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return envs.triton_interpret()
     if torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -773,7 +775,7 @@ def _launch(
         return y, h
     tiles = triton.cdiv(n, cfg["block_n"])
     grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = envs.triton_interpret()
     pdl = pdl_mode(x.device, m)
     norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0
     if norm_pad * cfg["block_m"] > NORM_ONE_LOAD_MAX:

@@ -452,7 +452,7 @@ def _gemv(sh: Shard, m):
 
 def _gemv_tma():
     """The "tma" GEMV kind (no launch-table row uses it: configurations passed explicitly, as
-    benchmarks/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
+    benchmarks/lab/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
     def case():
         from kvpilot.kernels import gemv as G
 

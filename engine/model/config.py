@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    """The parts of a Hugging Face Llama-architecture `config.json` the engine uses."""
+    """The parts of a Hugging Face `config.json` every family uses (the rest: ``raw``)."""
 
     vocab_size: int
     hidden_size: int
@@ -29,28 +29,28 @@ class ModelConfig:
     eos_token_ids: list[int]
     attention_bias: bool = False
     mlp_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path, trust_remote_code: bool = False) -> "ModelConfig":
         """Read ``config.json`` (and ``generation_config.json`` for the stop ids) from a model directory.
+
+        Family-specific keys (sliding windows, soft caps, layer types, rope parameters per layer
+        type, ...) stay in ``raw`` for the family's `kvpilot.model.decoder.FamilySpec`.
 
         Raises:
             FileNotFoundError: no config.json.
-            ValueError: an architecture other than Llama/Mistral.
+            kvpilot.model.registry.UnsupportedArchitectureError: an architecture kvpilot does not
+                run (the message lists the supported ones) or one that needs remote code.
         """
+        from kvpilot.model.registry import resolve_architecture
+
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
         cfg = json.loads(path.read_text())
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if not any(a in cls.SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; kvpilot runs {', '.join(cls.SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
-            raise ValueError(f"{model_dir}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
-                             f"supported; kvpilot's attention is full-context")
+        arch = resolve_architecture(cfg, trust_remote_code, str(model_dir))
         heads = cfg["num_attention_heads"]
         eos = _as_list(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"
@@ -83,6 +83,7 @@ class ModelConfig:
             eos_token_ids=eos,
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            architecture=arch,
             raw=cfg,
         )
 

@@ -19,7 +19,7 @@ import torch
 
 import kvpilot.kernels as K
 from kvpilot.kernels import build_rope_cache, paged_attention_ref, rotary_decode_attention_ref
-from support.paged_batch import make_paged_batch
+from support.paged_attention import make_paged_batch
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

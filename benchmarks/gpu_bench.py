@@ -7,7 +7,7 @@ Usage (from the repo root; never ``python -m``: the repo's operator/ folder shad
     python3 benchmarks/gpu_bench.py --tiny --out /tmp/gb  # CPU dry run of every code path
 
 Order: measured ceilings (device copy bandwidth, bf16 matrix-product rate) -> stories260K golden
-text on the device -> a random-weight checkpoint written with `gpu_random_model` -> the kvpilot
+text on the device -> a random-weight checkpoint written with `kvpilot.tools.random_model` -> the kvpilot
 phase (KV capacity, 512-token prefill logits, greedy tokens of 32 prompts, decode step timings with
 the LM head inside/outside the CUDA graph and eagerly, batch-1 latency, 8k prefill, the batch-64
 workload, the concurrency and context sweeps, offline throughput) -> the transformers phase (same
@@ -35,7 +35,7 @@ sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
 import gpu_gemv as GB  # noqa: E402
 
 from kvpilot.kernels import gemv as G  # noqa: E402

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
 import gpu_decode_layer as D  # noqa: E402
 import gpu_gemv as GB  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402

@@ -24,6 +24,31 @@ _CONVERTERS = [
 ]
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default: ``(default: X)`` is added unless the text already
+    names one; options whose default is None must say in their help what that means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, argparse.SUPPRESS) or action.required:
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text  # a required positional has no default
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if isinstance(action.default, (list, tuple)):
+            return f"{text} (default: {' '.join(map(str, action.default))})"
+        return f"{text} (default: %(default)s)"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with `HelpFormatter`; its subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def _add(subparsers, name: str, module: str, help_text: str) -> None:
     parser = subparsers.add_parser(name, help=help_text, description=help_text)
     mod = importlib.import_module(module)
@@ -46,22 +71,28 @@ def _command_name(argv: list[str]) -> str | None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """Build the parser, importing only the module of the subcommand named in ``argv``."""
-    parser = argparse.ArgumentParser(prog="kvpilot", description="kvpilot: LLM serving engine and Kubernetes operator")
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    from kvpilot import __version__
+
+    parser = ArgumentParser(prog="kvpilot", description="kvpilot: LLM serving engine and Kubernetes operator")
+    parser.add_argument("--version", action="version", version=f"kvpilot {__version__}",
+                        help="print the version and exit")
+    parser.add_argument("--log-level", default="INFO",
+                        help="logging level: DEBUG, INFO, WARNING, ERROR (default INFO)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = _command_name(argv)
     for name, module, help_text in _COMMANDS:
         if wanted in (None, name):
             _add(sub, name, module, help_text)
         else:
-            sub.add_parser(name, help=help_text)
-    convert = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face directory")
+            sub.add_parser(name, help=help_text, description=help_text)
+    convert_help = "convert a checkpoint into a Hugging Face directory"
+    convert = sub.add_parser("convert", help=convert_help, description=convert_help)
     conv_sub = convert.add_subparsers(dest="format", metavar="FORMAT")
     for name, module, help_text in _CONVERTERS:
         if wanted == "convert":
             _add(conv_sub, name, module, help_text)
         else:
-            conv_sub.add_parser(name, help=help_text)
+            conv_sub.add_parser(name, help=help_text, description=help_text)
     return parser
 
 

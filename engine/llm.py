@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import gc
 import itertools
@@ -11,6 +12,7 @@ import os
 import queue
 import random
 import threading
+import weakref
 from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
@@ -47,13 +49,16 @@ class LLM:
         max_batch_size: sequences per step (default 256).
         max_num_tokens: tokens per step, the chunked-prefill budget (default 8192).
         max_seq_len: longest prompt + output in tokens (default: the model's
-            ``max_position_embeddings``).
+            ``max_position_embeddings``). A larger value is an error unless
+            ``allow_long_max_seq_len`` is set.
         kv_cache_config: `KvCacheConfig`.
         trust_remote_code: accepted for API compatibility; custom model code is never run (a config
             that needs it is an error naming its architecture).
         skip_tokenizer_init: run without a tokenizer (prompts must be token ids; no text out).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
+        allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
+            (positions the model was not trained on; its output there is usually poor).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -63,7 +68,10 @@ class LLM:
         FileNotFoundError: the model directory or its files are missing, or the Hub id / revision
             cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
         PermissionError: a gated Hub repo without a token that may read it.
-        ValueError: an argument outside its allowed range; an unsupported architecture.
+        ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
+            positions included); an unsupported architecture.
+        kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
+            torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
     """
 
@@ -72,7 +80,7 @@ class LLM:
                  max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
-                 revision: Optional[str] = None) -> None:
+                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -92,6 +100,10 @@ class LLM:
         self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
         if self.max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
+        check_max_seq_len(self.max_seq_len, cfg.max_position_embeddings, allow_long_max_seq_len)
+        from kvpilot.runner.model_runner import check_device
+
+        check_device(device)  # before the tokenizer and weights load
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.tensor_parallel_size = tensor_parallel_size
@@ -109,6 +121,7 @@ class LLM:
         _freeze_gc()
         self._loop = EngineLoop(self._core)
         self._loop.start()
+        _live_engines.add(self)
 
     def default_sampling_params(self) -> SamplingParams:
         """`SamplingParams` with the checkpoint's ``generation_config.json`` defaults (class docstring)."""
@@ -260,7 +273,11 @@ class LLM:
         self._loop.abort(request_id)
 
     def shutdown(self) -> None:
-        """Stop the engine loop, fail unfinished requests, release the model."""
+        """Stop the engine loop, fail unfinished requests, release the model.
+
+        A script that never calls it is shut down at interpreter exit (`_shutdown_at_exit`).
+        """
+        _live_engines.discard(self)
         self._loop.stop()
         close = getattr(self._executor, "shutdown", None)
         if close is not None:
@@ -280,6 +297,27 @@ class LLM:
             self._loop.stop()
         except Exception:
             pass
+
+
+# Engines started and not yet shut down; `_shutdown_at_exit` stops them when the interpreter exits.
+_live_engines: "weakref.WeakSet[LLM]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    """Shut down every engine still running, then unfreeze the heap frozen at start-up.
+
+    Objects that `_freeze_gc` moved to the permanent generation are skipped by the collections
+    Python runs while it finalizes, so Triton's compiled-kernel objects (nanobind bindings) held in
+    reference cycles would outlive the interpreter, and nanobind prints ``leaked ...`` lines at
+    exit. Runs after non-daemon threads are joined and before modules are torn down.
+    """
+    for llm in list(_live_engines):
+        try:
+            llm.shutdown()
+        except Exception:  # exiting anyway: one engine's failure must not keep the others running
+            logger.debug("shutdown at exit failed", exc_info=True)
+    gc.unfreeze()
 
 
 def _freeze_gc() -> None:
@@ -314,6 +352,20 @@ def _bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long: bool) -> None:
+    """Refuse a context limit beyond the positions the model was trained on, unless allowed.
+
+    Raises:
+        ValueError: ``max_seq_len > max_position_embeddings`` and not ``allow_long``; the message
+            names the model's limit and the argument that allows more.
+    """
+    if max_seq_len > max_position_embeddings and not allow_long:
+        raise ValueError(f"max_seq_len {max_seq_len} is beyond this model's {max_position_embeddings} positions "
+                         f"(config.json max_position_embeddings); pass max_seq_len <= {max_position_embeddings}, "
+                         f"or allow_long_max_seq_len=True (kvpilot serve --allow-long-max-seq-len) to use "
+                         f"positions the model was not trained on")
 
 
 def _make_executor(llm: LLM, device: str, dtype: str):

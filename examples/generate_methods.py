@@ -28,8 +28,8 @@ async def process_request(prompt: str):
 
     # For streaming responses
     async for chunk in output:
-        if not chunk.finished:
-            print(chunk.outputs[0].text, end="", flush=True)
+        # `.text` is cumulative; `.text_diff` is the part this chunk added (the last one included)
+        print(chunk.outputs[0].text_diff, end="", flush=True)
     print()
 
 

@@ -16,10 +16,9 @@ async def stream_response(prompt: str):
     )
 
     async for chunk in output:
-        if not chunk.finished:
-            # Print incremental tokens (as the seed writes it; `.text_diff` holds only the new part)
-            print(chunk.outputs[0].text, end="", flush=True)
-        else:
+        # `.text` is cumulative; `.text_diff` is the part this chunk added (the last chunk too)
+        print(chunk.outputs[0].text_diff, end="", flush=True)
+        if chunk.finished:
             # Final output
             print("\n--- Generation complete ---")
             print(f"Total tokens: {len(chunk.outputs[0].token_ids)}")

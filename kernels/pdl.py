@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -61,7 +63,7 @@ def pdl_mode(device: torch.device, rows: int) -> int:
     (``KVPILOT_PDL``, module docstring)."""
     if rows > PDL_MAX_ROWS or device.type != "cuda" or not HAS_GDC:
         return 0
-    if os.environ.get("KVPILOT_PDL", "1") in ("0", "false", "False", "no") or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("KVPILOT_PDL", "1") in ("0", "false", "False", "no") or envs.triton_interpret():
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     return 1 if _capable(index) else 0

@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 try:  # exp must round like torch's (CUDA expf); tl.exp is the fast approximation
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - old Triton
@@ -955,7 +957,7 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
     NS = triton.cdiv(V, chunk)
     SP = _pow2(NS)
     wcap = cfg["wcap"]
-    precise = dev.type == "cuda" and libdevice is not None and os.environ.get("TRITON_INTERPRET") != "1"
+    precise = dev.type == "cuda" and libdevice is not None and not envs.triton_interpret()
     stride = logits.stride(0)
     out = torch.empty(S, dtype=torch.int64, device=dev)
     P = plain_rows.numel()

@@ -10,6 +10,10 @@ Owned fields: ``metadata.labels``, ``metadata.ownerReferences``, the last-applie
 and the whole ``spec`` of every rendered object. A child whose owned fields already match
 (server-side defaults and canonicalised quantities ignored) is left alone, so a settled
 operator makes no writes. Every write carries ``fieldManager=kvpilot``.
+
+Label selectors are owned exactly (:data:`EXACT_MAPS`): a key someone added by hand to a
+Service's ``spec.selector`` (which would leave it with no endpoints) or to a PDB's
+``matchLabels`` is removed, while other maps may keep keys that other writers add.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from kvpilot import envs
 from .crd import API_VERSION, KIND, PLURAL
 
 logger = logging.getLogger(__name__)
@@ -36,6 +41,13 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Pod": ("v1", "pods"),
     KIND: (API_VERSION, PLURAL),
+}
+
+
+# kind -> paths of maps whose live keys must be exactly the rendered ones.
+EXACT_MAPS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "Service": (("spec", "selector"),),
+    "PodDisruptionBudget": (("spec", "selector", "matchLabels"),),
 }
 
 
@@ -78,7 +90,7 @@ def load_configuration() -> Any:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
         # The package reads $KUBECONFIG once, at import; read it now instead.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
+        config.load_kube_config(config_file=envs.external("KUBECONFIG"), client_configuration=configuration)
     return configuration
 
 
@@ -258,8 +270,38 @@ def _check_controller(live: dict[str, Any], desired: dict[str, Any]) -> None:
                             f"{KIND}; rename one of them")
 
 
-def apply(client: KubeClient, obj: dict[str, Any]) -> ApplyResult:
+def _get_path(obj: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj
+
+
+def extra_keys(obj: dict[str, Any], live: dict[str, Any]) -> dict[tuple[str, ...], list[str]]:
+    """Keys that ``live`` has, and ``obj`` lacks, in the maps kvpilot owns exactly (:data:`EXACT_MAPS`)."""
+    out: dict[tuple[str, ...], list[str]] = {}
+    for path in EXACT_MAPS.get(obj["kind"], ()):
+        desired, current = _get_path(obj, path), _get_path(live, path)
+        if isinstance(desired, dict) and isinstance(current, dict):
+            extra = sorted(k for k in current if k not in desired)
+            if extra:
+                out[path] = extra
+    return out
+
+
+def in_sync(obj: dict[str, Any], live: dict[str, Any] | None) -> bool:
+    """True when ``live`` already holds every field kvpilot owns in the rendered ``obj``."""
+    if live is None:
+        return False
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    return annotations.get(LAST_APPLIED) == last_applied(obj) and is_subset(owned_fields(obj), live) \
+        and not extra_keys(obj, live)
+
+
+def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None = None) -> ApplyResult:
     """Make the live object hold ``obj``'s owned fields, writing only when something differs.
+
+    Args:
+        live: the object as just read or watched; read with a GET when not given.
 
     Raises:
         NotOwnedError: the name is taken by an object another controller owns.
@@ -268,7 +310,8 @@ def apply(client: KubeClient, obj: dict[str, Any]) -> ApplyResult:
     kind, meta = obj["kind"], obj["metadata"]
     ns, name = meta["namespace"], meta["name"]
     applied = last_applied(obj)
-    live = client.get(kind, ns, name)
+    if live is None:
+        live = client.get(kind, ns, name)
     if live is None:
         body = json.loads(json.dumps(obj))
         body["metadata"].setdefault("annotations", {})[LAST_APPLIED] = applied
@@ -284,14 +327,19 @@ def apply(client: KubeClient, obj: dict[str, Any]) -> ApplyResult:
                 raise
     _check_controller(live, obj)
     owned = owned_fields(obj)
-    live_annotations = (live.get("metadata") or {}).get("annotations") or {}
-    if live_annotations.get(LAST_APPLIED) == applied and is_subset(owned, live):
+    if in_sync(obj, live):
         return ApplyResult(kind, name, "unchanged")
+    live_annotations = (live.get("metadata") or {}).get("annotations") or {}
     try:
         previous = json.loads(live_annotations.get(LAST_APPLIED) or "{}")
     except json.JSONDecodeError:
         previous = {}
     patch = merge_patch(previous, owned)
+    for path, keys in extra_keys(obj, live).items():
+        target = patch
+        for key in path:
+            target = target.setdefault(key, {})
+        target.update({k: None for k in keys})
     patch["metadata"]["annotations"] = {LAST_APPLIED: applied}
     client.merge_patch(kind, ns, name, patch)
     logger.info("patched %s %s/%s", kind, ns, name)

@@ -112,9 +112,7 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
     decision = decide(samples, current, policy, history, now)
 
     if decision.desired_replicas < current and kind == "Deployment":
-        for pod, cost in deletion_costs(samples).items():
-            await asyncio.to_thread(client.merge_patch, "Pod", namespace, pod,
-                                    {"metadata": {"annotations": {DELETION_COST: str(cost)}}})
+        await _mark_deletion_costs(client, namespace, name, deletion_costs(samples))
     await asyncio.to_thread(client.merge_patch, KIND, namespace, name,
                             {"status": autoscaling_status(decision, old_status, now)}, subresource="status")
     if decision.scaled:
@@ -124,6 +122,20 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
         event = rescale_event(cr, decision, now)
         await asyncio.to_thread(client.request, "POST", kube.resource_path("v1", "events", namespace), event)
     return interval, decision
+
+
+async def _mark_deletion_costs(client: kube.KubeClient, namespace: str, name: str, costs: dict[str, int]) -> None:
+    """Annotate pods with their deletion cost. The cost is a preference of the ReplicaSet, not a
+    precondition of the scale-down: a pod that is gone (404) or a refused write (403) is logged
+    and the round goes on, so replicas still come down."""
+    for pod, cost in costs.items():
+        try:
+            await asyncio.to_thread(client.merge_patch, "Pod", namespace, pod,
+                                    {"metadata": {"annotations": {DELETION_COST: str(cost)}}})
+        except kube.ApiError as exc:
+            if exc.status not in (403, 404):
+                raise
+            logger.warning("%s/%s: could not mark pod %s with its deletion cost: %s", namespace, name, pod, exc)
 
 
 def rescale_event(cr: dict[str, Any], decision: Decision, now: float) -> dict[str, Any]:

@@ -7,9 +7,11 @@ What triggers what:
   or merge-patch what differs), deletes a child of the other workload kind when the shape
   crossed the one-node boundary, and writes the status. Status-only changes of the CR do not
   trigger it (kopf diffs ``spec`` only), and nothing is written when nothing differs.
-- ``on.event`` of a child Deployment or LeaderWorkerSet (labelled ``managed-by:
-  kvpilot-operator``): :func:`workload_changed` recomputes the owner's status (ready replicas,
-  conditions) and patches ``/status`` only if it changed.
+- ``on.event`` of a child Deployment, LeaderWorkerSet, Service or PodDisruptionBudget (labelled
+  ``managed-by: kvpilot-operator``), including the initial listing at start: :func:`child_changed`
+  repairs drift (a deleted child is recreated; a hand edit of a field kvpilot owns, such as
+  replicas, the image, or an extra selector key, is reverted) and, for the workload, recomputes
+  the owner's status (ready replicas, conditions), patching ``/status`` only if it changed.
 
 Autoscaling lives in operator/autoscale_daemon.py: a kopf daemon per LLMDeployment with
 ``autoscaling.enabled`` scrapes the Ready pods, calls the pure ``autoscaler.decide(...)``, and writes
@@ -28,9 +30,10 @@ from typing import Any
 import kopf
 
 from . import apply as kube
+from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import LWS_API_VERSION, MANAGED_BY, render, workload_kind
-from .status import desired_status, now_rfc3339, status_patch
+from .status import desired_status, merge_conditions, now_rfc3339, status_patch
 # Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
 from . import autoscale_daemon  # noqa: F401
 
@@ -41,13 +44,17 @@ CHILD_LABELS = {"app.kubernetes.io/managed-by": MANAGED_BY}
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 
-def configure(settings: kopf.OperatorSettings) -> None:
+def configure(settings: kopf.OperatorSettings, config: OperatorConfig | None = None) -> None:
     """kopf settings shared by ``kvpilot operator`` and the tests.
 
     kopf's progress and diff-base records go to annotations under ``serving.kvpilot.io``,
     not to ``status``: the CRD's structural schema would prune ``status.kopf``. Events are
-    posted only for warnings and errors, so a settled operator writes nothing.
+    posted only for warnings and errors, so a settled operator writes nothing. kopf's own
+    request retries (its patches, watch restarts) follow the same capped exponential schedule
+    as reconcile retries.
     """
+    config = config or OperatorConfig()
+    settings.networking.error_backoffs = [min(config.retry_max_s, config.retry_base_s * 2 ** i) for i in range(8)]
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
@@ -76,7 +83,9 @@ def _login(**_: Any) -> kopf.ConnectionInfo:
 
 @kopf.on.startup()
 def _startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    configure(settings)
+    if getattr(memo, "config", None) is None:
+        memo.config = OperatorConfig()
+    configure(settings, memo.config)
     if getattr(memo, "kube", None) is None:
         memo.kube = kube.KubeClient.from_environment()
 
@@ -93,18 +102,44 @@ def random_priority() -> int:
     return random.randint(1, 2**30)
 
 
+RECONCILED = "Reconciled"  # the condition that says whether the last apply worked
+EVENT_SOURCE = "kvpilot-operator"
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """Apply the rendered children of one LLMDeployment and write its status."""
+def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int = 0, **_: Any) -> None:
+    """Apply the rendered children of one LLMDeployment and write its status.
+
+    A failure sets the condition ``Reconciled=False`` with a reason and message a user can act on
+    and posts a Warning Event on the CR (once per distinct failure). An invalid spec is not
+    retried; an API error or a name taken by another owner is retried after
+    ``OperatorConfig.retry_delay(retry)`` (exponential backoff with jitter).
+    """
     client: kube.KubeClient = memo.kube
+    config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
     cr = _as_dict(body)
     try:
         cr = normalize(cr)
         objects = render(cr)
     except ValueError as exc:  # the API server admitted something render() rejects: do not retry
+        _report_failure(client, cr, "InvalidSpec", str(exc), logger)
         raise kopf.PermanentError(str(exc)) from exc
+    try:
+        _apply_children(client, cr, objects, logger)
+    except kube.NotOwnedError as exc:
+        _report_failure(client, cr, "NameTaken", str(exc), logger)
+        raise kopf.TemporaryError(str(exc), delay=config.retry_delay(retry)) from exc
+    except (kube.ApiError, OSError) as exc:
+        reason = "APIForbidden" if getattr(exc, "status", None) == 403 else "APIError"
+        message = f"the Kubernetes API refused or failed a request (attempt {retry + 1}): {exc}"
+        _report_failure(client, cr, reason, message, logger)
+        raise kopf.TemporaryError(message, delay=config.retry_delay(retry)) from exc
+
+
+def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[dict[str, Any]],
+                    logger: Any) -> None:
     meta = cr["metadata"]
     ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
     results = [kube.apply(client, obj) for obj in objects]
@@ -116,13 +151,58 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -
         if kind != current:
             kube.delete_if_owned(client, kind, ns, name, uid)
     child = client.get(current, ns, name)
-    _write_status(client, cr, child, observed_generation=True)
+    _write_status(client, cr, child, observed_generation=True,
+                  extra=[_condition(RECONCILED, True, "Applied", "every child matches the spec")])
+
+
+def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _report_failure(client: kube.KubeClient, cr: dict[str, Any], reason: str, message: str, logger: Any) -> None:
+    """``Reconciled=False`` with ``reason``/``message`` on the CR, and a Warning Event when new.
+
+    Best effort: during an API outage these writes fail too, and the retry reports again.
+    """
+    meta = cr.get("metadata") or {}
+    ns, name = meta.get("namespace") or "default", meta.get("name")
+    old = (cr.get("status") or {}).get("conditions") or []
+    prev = next((c for c in old if c.get("type") == RECONCILED), {})
+    cond = _condition(RECONCILED, False, reason, message[:1000])
+    try:
+        if (prev.get("status"), prev.get("reason"), prev.get("message")) != ("False", reason, cond["message"]):
+            client.merge_patch(KIND, ns, name, {"status": {"conditions": merge_conditions(old, [cond], now_rfc3339())}},
+                               subresource="status")
+        if (prev.get("status"), prev.get("reason")) != ("False", reason):
+            client.request("POST", kube.resource_path("v1", "events", ns), warning_event(cr, reason, message))
+    except (kube.ApiError, OSError) as exc:
+        logger.warning("could not report %s on %s/%s: %s", reason, ns, name, exc)
+
+
+def warning_event(cr: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
+    """A core/v1 Warning Event on the CR (named ``{cr name}.{random hex}``, as kubectl shows them)."""
+    import uuid
+
+    meta = cr["metadata"]
+    ns = meta.get("namespace") or "default"
+    stamp = now_rfc3339()
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": ns},
+        "involvedObject": {"apiVersion": cr.get("apiVersion"), "kind": cr.get("kind", KIND), "name": meta["name"],
+                           "namespace": ns, "uid": meta.get("uid")},
+        "type": "Warning", "reason": reason, "message": message[:1000],
+        "source": {"component": EVENT_SOURCE}, "reportingComponent": EVENT_SOURCE,
+        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
+    }
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event(*LWS_API_VERSION.split("/"), "leaderworkersets", labels=CHILD_LABELS)
-def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
-    """Carry a child workload's readiness into its LLMDeployment's status."""
+@kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_LABELS)
+def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Repair drift of one child and carry a workload's readiness into its owner's status."""
     child = _as_dict(body)
     owner = next((r for r in child["metadata"].get("ownerReferences") or []
                   if r.get("controller") and r.get("kind") == KIND), None)
@@ -135,16 +215,31 @@ def workload_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: An
         return
     try:
         cr = normalize(cr)
+        objects = render(cr)
     except ValueError:
         return  # reconcile reports it
-    if workload_kind(cr) != child["kind"]:
+    wanted = next((o for o in objects if o["kind"] == child["kind"]
+                   and o["metadata"]["name"] == child["metadata"]["name"]), None)
+    if wanted is None:
         return  # a stale child on its way out
-    _write_status(client, cr, None if type == "DELETED" else child, observed_generation=False)
+    live = None if type == "DELETED" else child
+    if live is not None and live["metadata"].get("deletionTimestamp"):
+        return  # being deleted: recreated on its DELETED event
+    if not kube.in_sync(wanted, live):
+        result = kube.apply(client, wanted, live=live)
+        logger.info("repaired drift of %s %s/%s: %s", child["kind"], ns, child["metadata"]["name"], result.action)
+        if result.action != "unchanged":
+            live = client.get(child["kind"], ns, child["metadata"]["name"])
+    if child["kind"] in WORKLOAD_KINDS:
+        _write_status(client, cr, live, observed_generation=False)
 
 
 def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,
-                  observed_generation: bool) -> None:
-    patch = status_patch(cr, desired_status(cr, child, now_rfc3339(), observed_generation=observed_generation))
+                  observed_generation: bool, extra: list[dict[str, Any]] | None = None) -> None:
+    desired = desired_status(cr, child, now_rfc3339(), observed_generation=observed_generation)
+    if extra:
+        desired["conditions"] = merge_conditions(desired["conditions"], extra, now_rfc3339())
+    patch = status_patch(cr, desired)
     if patch:
         meta = cr["metadata"]
         client.merge_patch(KIND, meta.get("namespace") or "default", meta["name"], {"status": patch},

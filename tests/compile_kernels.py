@@ -364,7 +364,8 @@ def _batch(q_lens: list[int], ctx_lens: list[int]):
                 max_query_len=max(q_lens), max_seq_len=max(seq_lens), positions=pos, slot_mapping=pos.clone())
 
 
-def _attention(sh: Shard, q_lens, ctx_lens, kv_dtype):
+def _attention(sh: Shard, q_lens, ctx_lens, kv_dtype, **window):
+    """``window``: ``sliding_window`` / ``logits_soft_cap`` keywords of the launch."""
     def case():
         from kvpilot.kernels.attention import paged_attention_triton
 
@@ -372,7 +373,7 @@ def _attention(sh: Shard, q_lens, ctx_lens, kv_dtype):
         q, _, _ = _qkv(sh, sum(q_lens))
         k_cache, v_cache = _kv_cache(sh, kv_dtype, num_blocks=b["block_tables"].numel())
         paged_attention_triton(q, k_cache, v_cache, b["block_tables"], b["seq_lens"], b["query_start_loc"],
-                               HEAD_DIM ** -0.5, b["max_query_len"], b["max_seq_len"])
+                               HEAD_DIM ** -0.5, b["max_query_len"], b["max_seq_len"], **window)
 
     return case
 
@@ -393,8 +394,9 @@ def _rotary_write(sh: Shard, tokens, kv_dtype):
     return case
 
 
-def _rotary_decode(sh: Shard, ctx_lens, kv_dtype):
-    """The fused rotary + KV write + decode attention of a decode-only batch (one token per sequence)."""
+def _rotary_decode(sh: Shard, ctx_lens, kv_dtype, **window):
+    """The fused rotary + KV write + decode attention of a decode-only batch (one token per sequence);
+    ``window`` as for `_attention`."""
     def case():
         from kvpilot.kernels.fused_decode_attention import rotary_decode_attention_triton
 
@@ -404,20 +406,21 @@ def _rotary_decode(sh: Shard, ctx_lens, kv_dtype):
         k_cache, v_cache = _kv_cache(sh, kv_dtype, num_blocks=b["block_tables"].numel())
         rotary_decode_attention_triton(q, k, v, b["positions"], cos_sin, k_cache, v_cache, b["slot_mapping"],
                                        b["block_tables"], b["seq_lens"], b["query_start_loc"], HEAD_DIM ** -0.5,
-                                       b["max_seq_len"])
+                                       b["max_seq_len"], **window)
 
     return case
 
 
 def _pointwise(sh: Shard, tokens):
     def case():
-        from kvpilot.kernels import rms_norm_triton, silu_and_mul_triton
+        from kvpilot.kernels import gelu_tanh_and_mul_triton, rms_norm_triton, silu_and_mul_triton
 
         x = torch.empty(tokens, HIDDEN, dtype=BF16)
         w = torch.empty(HIDDEN, dtype=BF16)  # RMSNorm weights are cast to the model dtype
         rms_norm_triton(x, w, EPS)  # first layer's input norm
         rms_norm_triton(x, w, EPS, torch.empty_like(x))  # fused residual add
         silu_and_mul_triton(torch.empty(tokens, 2 * sh.inter, dtype=BF16))
+        gelu_tanh_and_mul_triton(torch.empty(tokens, 2 * sh.inter, dtype=BF16))  # GeGLU (Gemma)
 
     return case
 
@@ -442,13 +445,14 @@ def _gemv(sh: Shard, m):
         # tensor parallelism's row-parallel layers: the fp32 accumulator stored unrounded
         G.gemv_triton(a_o, w_o, out_dtype=torch.float32)
         G.silu_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down, out_dtype=torch.float32)
+        G.gelu_tanh_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down)  # GeGLU down_proj
 
     return case
 
 
 def _gemv_tma():
     """The "tma" GEMV kind (no launch-table row uses it: configurations passed explicitly, as
-    benchmarks/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
+    benchmarks/lab/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
     def case():
         from kvpilot.kernels import gemv as G
 
@@ -459,6 +463,8 @@ def _gemv_tma():
         G.rmsnorm_gemv_triton(x, None, nw, EPS, torch.empty(6144, HIDDEN, dtype=BF16), config=cfg)
         G.silu_mul_gemv_triton(torch.empty(1, 2 * INTER, dtype=BF16), torch.empty(HIDDEN, INTER, dtype=BF16),
                                config=G.launch_config("tma", 1, 8, 512, num_stages=4))
+        G.gelu_tanh_mul_gemv_triton(torch.empty(1, 2 * INTER, dtype=BF16), torch.empty(HIDDEN, INTER, dtype=BF16),
+                                    config=G.launch_config("tma", 1, 8, 512, num_stages=4))
         G.gemv_triton(x, torch.empty(HIDDEN, HIDDEN, dtype=BF16), torch.empty(HIDDEN, dtype=BF16), config=cfg,
                       out_dtype=torch.float32)
 
@@ -635,6 +641,25 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
         out.append((f"rotary+decode {dn} kv, split", _rotary_decode(one, [3999], dt)))
         out.append((f"rotary+decode {dn} kv, 8 seqs, split", _rotary_decode(one, [999] * 8, dt)))
         out.append((f"rotary+decode {dn} kv, 8 seqs, no split", _rotary_decode(one, [39] * 8, dt)))
+    # Sliding window (Mistral / Gemma local layers) with Gemma 2's logit soft cap, and each alone.
+    win = dict(sliding_window=1024, logits_soft_cap=50.0)
+    for dt, dn in ((BF16, "bf16"), (torch.float8_e4m3fn, "fp8")):
+        out.append((f"attention decode {dn} kv, split, window+cap", _attention(one, [1], [3999], dt, **win)))
+        out.append((f"attention decode {dn} kv, no split, pointer kernel, window+cap",
+                    _with_decode_tuning(_attention(one, [1] * 64, [1000] * 64, dt, **win), batch_tma=False,
+                                        batch_tma_fp8=False)))
+        for pages in (1, 2):
+            out.append((f"attention decode {dn} kv, no split, TMA {pages} page(s), window+cap",
+                        _with_decode_tuning(_attention(one, [1] * 64, [1000] * 64, dt, **win), batch_tma=True,
+                                            batch_tma_fp8=True, batch_tma_pages=pages)))
+        out.append((f"attention prefill {dn} kv, split, window+cap", _attention(one, [64], [4000], dt, **win)))
+        out.append((f"attention prefill {dn} kv, mixed, window+cap",
+                    _attention(one, [512] * 4 + [1] * 3, [0, 100, 2000, 0] + [500] * 3, dt, **win)))
+        out.append((f"rotary+decode {dn} kv, split, window+cap", _rotary_decode(one, [3999], dt, **win)))
+    out.append(("attention prefill bf16 kv, mixed, window", _attention(one, [512, 1], [0, 500], BF16,
+                                                                       sliding_window=4096)))
+    out.append(("attention decode bf16 kv, split, soft cap", _attention(one, [1], [3999], BF16,
+                                                                        logits_soft_cap=50.0)))
     for t in (1, 256):  # RMSNorm's early weight load is on up to 64 rows
         out.append((f"rms_norm + silu_and_mul, {t} tokens", _pointwise(one, t)))
     for m in (1, 2, 8):

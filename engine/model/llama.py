@@ -17,7 +17,7 @@ input RMSNorm (+ residual add) and QKV as ``rmsnorm_gemv``, ``o_proj`` as ``gemv
 post-attention RMSNorm and gate/up as ``rmsnorm_gemv``, SiLU-and-mul and ``down_proj`` as
 ``silu_mul_gemv``. They launch one Triton kernel for CUDA batches of at most
 ``FUSED_MAX_ROWS[op]`` tokens (batch-1 decode: about 0.23 ms per Llama-3.1-8B step on an H200 in
-benchmarks/gpu_gemv.py) and otherwise run exactly the unfused ops, so CPU runs and larger batches
+benchmarks/lab/gpu_gemv.py) and otherwise run exactly the unfused ops, so CPU runs and larger batches
 compute the same values either way. The ``nn.Linear`` modules stay (weight names, loading and
 tensor-parallel sharding are unchanged); only their forward is bypassed. ``KVPILOT_FUSED_GEMV=0``
 restores the unfused module calls.

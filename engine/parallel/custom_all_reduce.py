@@ -45,6 +45,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from kvpilot import envs
+
 from kvpilot.kernels.allreduce import fill_sentinel, two_rank_all_reduce
 
 logger = logging.getLogger(__name__)
@@ -144,8 +146,8 @@ class CustomAllReduce:
         numel = min(r[1] for r in rows)
         peer_index = rows[1 - tp_rank][2]
         # 2. Local set-up: peer access, then the buffer.
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # module docstring; read by PyTorch at set-up
-        os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+        envs.set_external("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # module docstring; read by PyTorch at set-up
+        envs.set_external("NVSHMEM_DISABLE_NVLS", "1")
         local, reason = None, ""
         try:
             import torch.distributed._symmetric_memory as symm_mem

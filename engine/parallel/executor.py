@@ -52,6 +52,7 @@ from typing import Mapping, Optional
 import torch
 
 from kvpilot.outputs import EngineDeadError
+from kvpilot import envs
 from kvpilot.config import KvCacheConfig
 
 from kvpilot.model.config import ModelConfig
@@ -98,7 +99,7 @@ class LwsGroup:
         Raises:
             ValueError: ``LWS_GROUP_SIZE`` > 1 without ``LWS_LEADER_ADDRESS``, or non-integer values.
         """
-        env = os.environ if env is None else env
+        env = envs.external_environ() if env is None else env
         size = int(env.get("LWS_GROUP_SIZE") or 1)
         if size <= 1:
             return None

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from kvpilot.config import KvCacheConfig
+from kvpilot import envs
 
 from kvpilot.model.config import ModelConfig
 from kvpilot.parallel.custom_all_reduce import CustomAllReduce
@@ -522,7 +523,7 @@ class Worker:
             self.device = f"cuda:{self.local_rank}"
         else:
             self.device = "cpu"
-            if "OMP_NUM_THREADS" not in os.environ:
+            if envs.external("OMP_NUM_THREADS") is None:
                 # Ranks share the host's cores; oversubscribed intra-op threads slow each collective ~5x.
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
         backend = "nccl" if on_gpu else "gloo"

@@ -63,9 +63,48 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.
            "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 
+class DeviceUnavailableError(ValueError):
+    """The requested device does not exist here: a CPU-only build of torch, no visible GPU, or a
+    GPU index past the last one."""
+
+
+def check_device(device: str) -> torch.device:
+    """Parse ``device`` ("auto", "cpu", "cuda", "cuda:N") and check that it exists.
+
+    Raises:
+        ValueError: not a device name torch knows.
+        DeviceUnavailableError: CUDA requested on a CPU-only torch build, with no GPU visible, or
+            with an index >= the number of GPUs.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise DeviceUnavailableError(
+                f"device={device!r}, but this torch ({torch.__version__}) is a CPU-only build; install a "
+                f"CUDA build of torch (README: Install) or use device='cpu'")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise DeviceUnavailableError(f"device={device!r}, but torch sees no CUDA GPU (check the driver and "
+                                         f"CUDA_VISIBLE_DEVICES); use device='cpu' to run on the CPU")
+        if dev.index is not None and dev.index >= count:
+            raise DeviceUnavailableError(f"device={device!r}, but only {count} CUDA GPU(s) are visible")
+    return dev
+
+
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available, else cpu; a bare "cuda" gets the current device's index."""
-    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    """"auto" -> cuda when available, else cpu; a bare "cuda" gets the current device's index.
+
+    Raises:
+        ValueError, DeviceUnavailableError: see `check_device`.
+    """
+    dev = check_device(device)
     if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device needs an index
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
@@ -475,7 +514,7 @@ class ModelRunner:
         context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
         count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
         and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
-        On an H200 before this existed (`benchmarks/gpu_concurrency.py`, fourteenth session), the
+        On an H200 before this existed (`benchmarks/lab/gpu_concurrency.py`, fourteenth session), the
         first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
 
         The steps, eager whatever their size (no graph, no graph padding):

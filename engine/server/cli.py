@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
-import os
 import signal
+import socket
 from typing import Any, Optional
 
 import uvicorn
 
 from kvpilot.config import KV_CACHE_DTYPES
+from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
 from kvpilot.server.state import ServerState
@@ -34,36 +36,87 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="accepted for compatibility; kvpilot never runs a checkpoint's own model code "
                              "(default: off)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 1-65535 (default 8000)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs each layer is split over (one worker process per GPU)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages the layers are split into (one worker process per stage and TP rank)")
     parser.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
     parser.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
     parser.add_argument("--max-seq-len", type=int, default=None,
-                        help="context limit in tokens, prompt + output (default: the model's)")
+                        help="context limit in tokens, prompt + output (default: the model's "
+                             "max_position_embeddings)")
+    parser.add_argument("--allow-long-max-seq-len", action="store_true",
+                        help="accept --max-seq-len beyond the model's max_position_embeddings")
     parser.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
-                        help="fraction of the GPU memory left after loading that the KV cache takes")
+                        help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="KV-cache block size in tokens")
     parser.add_argument("--enable-block-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse cached KV blocks of shared prompt prefixes (default: on)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="same as --no-enable-block-reuse (vLLM's flag name)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                        help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), ...")
-    parser.add_argument("--dtype", default="auto", help="model dtype: auto, bfloat16, float16, float32")
-    parser.add_argument("--device", default="auto", help="auto, cuda or cpu")
+                        help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), or a "
+                             "16/32-bit float type")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights' dtype: auto (the checkpoint's 16-bit type on GPU, float32 on CPU), "
+                             "bfloat16, float16, float32")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
-                        help="the model name clients use (default: MODEL as given)")
-    parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
+                        help="the name clients put in requests' 'model' field and /v1/models lists "
+                             "(default: MODEL exactly as given on the command line)")
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file (or inline template) overriding the tokenizer's")
+                        help="Jinja chat template file (or inline template) overriding the tokenizer's "
+                             "(default: the tokenizer's own chat_template)")
     parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default 30)")
-    parser.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+    parser.add_argument("--uvicorn-log-level", default="warning",
+                        help="uvicorn's own log level: debug, info, warning, error")
+
+
+def port_number(value: str) -> int:
+    """``--port``'s type: an integer in 1-65535 (argparse turns the ValueError into a usage error)."""
+    port = int(value)
+    if not 1 <= port <= 65535:
+        raise ValueError(value)
+    return port
+
+
+port_number.__name__ = "port (1-65535)"  # argparse names the type in its error message
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, made before the model loads.
+
+    uvicorn binds only after the application's start-up, which here begins loading the model, so a
+    port in use would surface after seconds to minutes of loading; binding first fails at once. The
+    socket is handed to uvicorn (``Server.run(sockets=...)``).
+
+    Raises:
+        OSError: the address cannot be resolved or bound; the message names it and the cause.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host}:{port}: unknown host ({exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT is no obstacle
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        hint = "; another process listens there (pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +135,27 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
     from kvpilot import LLM
 
-    return LLM(args.model, tokenizer=args.tokenizer, trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
+    return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
+               trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """The checks `kvpilot.LLM` makes of the arguments before loading, made before the server
+    starts: a bad device or context limit is one line at once, not a traceback after start-up.
+
+    Raises:
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
+    """
+    from pathlib import Path
+
+    from kvpilot.llm import check_max_seq_len
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.model_runner import check_device
+
+    check_device(args.device)
+    if args.max_seq_len is not None and (Path(args.model) / "config.json").is_file():
+        cfg = ModelConfig.from_dir(Path(args.model))
+        check_max_seq_len(args.max_seq_len, cfg.max_position_embeddings, args.allow_long_max_seq_len)
 
 
 class DrainingServer(uvicorn.Server):
@@ -143,9 +216,15 @@ def run(args: argparse.Namespace) -> int:
         return run_lws_worker(args.model, group=group, **_engine_kwargs(args))
     try:
         template = load_chat_template(args.chat_template)
-    except (FileNotFoundError, OSError) as exc:
+        preflight(args)
+    except (OSError, ValueError) as exc:
         logger.error("%s", exc)
         return 2
+    try:
+        sock = bind_listen_socket(args.host, args.port)
+    except OSError as exc:
+        logger.error("%s", exc.strerror or exc)
+        return 1
     state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
                         chat_template=template, api_key=args.api_key or None)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)
@@ -154,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, state, args.drain_timeout)
     logger.info("serving %s on http://%s:%d", state.served_model_name, args.host, args.port)
-    server.run()
+    server.run(sockets=[sock])
     if state.load_error is not None:
         return 1
     logger.info("server stopped")

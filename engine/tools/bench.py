@@ -29,6 +29,8 @@ from typing import Callable, Optional
 import httpx
 import numpy as np
 
+from kvpilot import envs
+from kvpilot.tools import bench_figures as _figures
 from kvpilot.tools import bench_offline as _offline
 
 logger = logging.getLogger(__name__)
@@ -51,18 +53,35 @@ class RequestResult:
     error: str = ""
 
 
+class BenchmarkError(RuntimeError):
+    """The benchmark cannot run against this server at all (unreachable, or it refuses the API key):
+    every request would fail the same way, so it stops with one message instead."""
+
+
+def _auth_error(url: str, status: int, api_key: Optional[str]) -> BenchmarkError:
+    if api_key:
+        return BenchmarkError(f"{url} answered HTTP {status}: the server refused the API key "
+                              f"(--api-key / KVPILOT_API_KEY)")
+    return BenchmarkError(f"{url} answered HTTP {status}: the server wants an API key; "
+                          f"pass --api-key KEY or set KVPILOT_API_KEY")
+
+
 def make_prompts(num: int, words: int, seed: int) -> list[str]:
     """``num`` synthetic prompts of ``words`` words each (deterministic for a seed)."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(_WORDS) for _ in range(words)) for _ in range(num)]
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict,
+                       api_key: Optional[str] = None) -> RequestResult:
+    """One streamed completion. Raises `BenchmarkError` on HTTP 401/403 (no request can succeed)."""
     start = time.perf_counter()
     last = None
     res = RequestResult(ok=False)
     try:
         async with client.stream("POST", url, json=body) as r:
+            if r.status_code in (401, 403):
+                raise _auth_error(url, r.status_code, api_key)
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return res
@@ -76,7 +95,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reque
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not any(c.get("text") for c in chunk.get("choices") or []):
+                # A token's chunk has text, or (token-id prompts on a server without a tokenizer, or a
+                # partial UTF-8 character) empty text and no finish_reason; the finish chunk is skipped.
+                if not any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or []):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -90,7 +111,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict) -> Reque
     res.e2e = time.perf_counter() - start
     res.ok = last is not None
     if not res.ok:
-        res.error = "no text was streamed"
+        res.error = "no token was streamed"
     return res
 
 
@@ -100,7 +121,8 @@ async def run_serve_benchmark(url: str, model: Optional[str], prompts: list[str]
     """Send ``prompts`` with at most ``concurrency`` in flight; returns the results and the wall time (s).
 
     Raises:
-        RuntimeError: ``model`` is None and the server's ``/v1/models`` cannot say which model it serves.
+        BenchmarkError: the server cannot be reached, refuses the API key (HTTP 401/403), or ``model``
+            is None and its ``/v1/models`` cannot say which model it serves.
     """
     base = url.rstrip("/")
     if not base.endswith("/v1"):
@@ -109,10 +131,19 @@ async def run_serve_benchmark(url: str, model: Optional[str], prompts: list[str]
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(headers=headers, timeout=timeout, limits=limits) as client:
         if model is None:
-            r = await client.get(base + "/models")
-            if r.status_code != 200 or not r.json().get("data"):
-                raise RuntimeError(f"cannot list models at {base}/models: HTTP {r.status_code} {r.text[:200]}")
-            model = r.json()["data"][0]["id"]
+            try:
+                r = await client.get(base + "/models")
+            except httpx.HTTPError as exc:
+                raise BenchmarkError(f"cannot reach {base}/models: {type(exc).__name__}: {exc}") from None
+            if r.status_code in (401, 403):
+                raise _auth_error(base + "/models", r.status_code, api_key)
+            try:
+                data = r.json().get("data") if r.status_code == 200 else None
+            except ValueError:
+                data = None
+            if not data:
+                raise BenchmarkError(f"cannot list models at {base}/models: HTTP {r.status_code} {r.text[:200]}")
+            model = data[0]["id"]
         queue: asyncio.Queue = asyncio.Queue()
         for p in prompts:
             queue.put_nowait(p)
@@ -123,7 +154,7 @@ async def run_serve_benchmark(url: str, model: Optional[str], prompts: list[str]
                 prompt = queue.get_nowait()
                 body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
                         "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-                results.append(await _one_request(client, base + "/completions", body))
+                results.append(await _one_request(client, base + "/completions", body, api_key))
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -178,15 +209,16 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1],
-                   help="clients in flight; several values run one benchmark each")
+                   help="clients in flight; several values run one benchmark each (default: 1)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per benchmark run")
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos is sent)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words (about tokens)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    p.add_argument("--api-key", default=None, help="bearer token, if the server wants one")
+    p.add_argument("--api-key", default=envs.api_key() or None,
+                   help="bearer token sent as 'Authorization: Bearer KEY' (default: $KVPILOT_API_KEY, else none)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
-    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file")
+    p.add_argument("--output-json", default=None, help="also write the figures to this JSON file (default: no file)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -196,6 +228,14 @@ def _run_serve(args: argparse.Namespace) -> int:
     if any(c < 1 for c in args.concurrency):
         raise SystemExit("--concurrency must be >= 1")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    try:
+        return _serve_benchmarks(args)
+    except BenchmarkError as exc:
+        sys.stderr.write(f"kvpilot bench serve: {exc}\n")
+        return 1
+
+
+def _serve_benchmarks(args: argparse.Namespace) -> int:
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.seed)
     runs = []
     if args.warmup:
@@ -217,11 +257,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
-# (name, help, configure, run): the GPU benchmarks (`latency`, `throughput`) are added here.
+# (name, help, configure, run): the offline benchmarks (`latency`, `throughput`) and the figures of
+# BENCHMARKS.md's current-results table (`all`, one per figure; `kvpilot.tools.bench_figures`).
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None],
                          Callable[[argparse.Namespace], int]]] = [
     ("serve", "latency and throughput of a running OpenAI-compatible server", _configure_serve, _run_serve),
     *_offline.SUBCOMMANDS,
+    *_figures.SUBCOMMANDS,
 ]
 
 

@@ -140,32 +140,34 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer (automatic when the model directory has none)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--max-num-tokens", type=int, default=8192)
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--free-gpu-memory-fraction", type=float, default=0.9)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-json", default=None, help="also write the result as JSON here")
+    p.add_argument("--dtype", default="auto", help="weights' dtype: auto, bfloat16, float16, float32")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
+    p.add_argument("--max-batch-size", type=int, default=256, help="most sequences in one engine step")
+    p.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="context limit in tokens (default: input + output length)")
+    p.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
+                   help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
+    p.add_argument("--output-json", default=None, help="also write the result as JSON here (default: no file)")
 
 
 def configure_latency(p: argparse.ArgumentParser) -> None:
     """Arguments of ``kvpilot bench latency``."""
     _common_args(p)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--num-iters", type=int, default=3)
-    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, default=512, help="generated tokens per sequence")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences generated together")
+    p.add_argument("--num-iters", type=int, default=3, help="measured repetitions")
+    p.add_argument("--num-iters-warmup", type=int, default=1, help="unmeasured repetitions first")
 
 
 def configure_throughput(p: argparse.ArgumentParser) -> None:
     """Arguments of ``kvpilot bench throughput``."""
     _common_args(p)
-    p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--input-len", type=int, default=1000)
-    p.add_argument("--output-len", type=int, default=1000)
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests submitted")
+    p.add_argument("--input-len", type=int, default=1000, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=1000, help="generated tokens per request")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight (default: what the KV pool holds at full length)")
 

@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvpilot import envs
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<7i")
@@ -369,9 +371,9 @@ def convert_llama2c(checkpoint: Path, tokenizer: Path, output: Path) -> Path:
 def stories260k_source_dir() -> Path:
     """Folder holding llama2.c's stories260K files: ``$KVPILOT_STORIES260K_DIR`` if set, else
     ``<repo>/../shared/models/stories260K`` (<repo> found from this file's real location)."""
-    env = os.environ.get("KVPILOT_STORIES260K_DIR")
-    if env:
-        return Path(env)
+    env = envs.stories260k_dir()
+    if env is not None:
+        return env
     repo = Path(__file__).resolve().parents[2]  # this file is <repo>/engine/tools/convert_llama2c.py
     return repo.parent / "shared" / "models" / "stories260K"
 
@@ -398,7 +400,7 @@ def ensure_stories260k(cache_dir: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for f in (src / _STORIES_FILES[0], src / _STORIES_FILES[1], Path(__file__).resolve()):
         digest.update(f.read_bytes())
-    root = Path(cache_dir or os.environ.get("KVPILOT_CACHE_DIR") or Path.home() / ".cache" / "kvpilot")
+    root = Path(cache_dir or envs.cache_dir())
     target = root / f"stories260K-{digest.hexdigest()[:16]}"
     if target.is_dir():
         return target

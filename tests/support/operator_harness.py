@@ -16,6 +16,10 @@ the operator touches is declared in ``kmock.resources`` with its kind and verbs,
 ``uid``, ``resourceVersion`` or ``generation``, so CRs get a ``uid`` from :func:`make_cr`.
 Without resourceVersions, kopf may process a fresh object's creation twice; reconcile is
 idempotent, so that costs reads, not writes.
+
+Every request the operator sends (those carrying its bearer token; the test's own requests carry
+none) is checked at teardown against the ClusterRoles that ``helm template`` renders for the chart
+(support.rbac): a request the chart's RBAC would refuse fails the test.
 """
 
 from __future__ import annotations
@@ -72,14 +76,17 @@ class OperatorEnv:
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self.error: BaseException | None = None
+        #: ``--set`` values for the chart whose RBAC the operator's requests are checked against.
+        self.chart_values: tuple[str, ...] = ()
 
     async def start(self, timeout: float = 10.0, peering: str | None = None, priority: int = 0,
-                    wait_watching: bool = True) -> None:
+                    wait_watching: bool = True, config: Any = None) -> None:
         """Start the operator and wait until kopf is watching LLMDeployments.
 
         Standalone unless ``peering`` names a ClusterKopfPeering (then kopf takes part in
         peering with ``priority``, and a paused operator may never open its watch: pass
-        ``wait_watching=False``).
+        ``wait_watching=False``). ``config`` is an ``OperatorConfig`` (retry timings), default the
+        operator's own.
 
         kopf runs in its own thread and event loop: on exit it waits for every task it did not
         start, which would include the emulator's never-ending watch streams in a shared loop.
@@ -91,7 +98,7 @@ class OperatorEnv:
             try:
                 asyncio.run(kopf.operator(clusterwide=True, standalone=peering is None, peering_name=peering,
                                           priority=priority, stop_flag=self._stop, ready_flag=ready,
-                                          settings=kopf.OperatorSettings(), memo=kopf.Memo()))
+                                          settings=kopf.OperatorSettings(), memo=kopf.Memo(config=config)))
             except BaseException as exc:  # surfaced by stop()
                 self.error = exc
 
@@ -146,8 +153,30 @@ class OperatorEnv:
         """``METHOD path`` of every write request after the first ``since`` requests."""
         return [f"{r.method.value} {r.url.path}" for r in list(self.k)[since:] if r.method.value in WRITE_METHODS]
 
+    def operator_requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """(method, path, query) of every request the operator (kopf or KubeClient) sent."""
+        return [(r.method.value, r.url.path, dict(r.url.query)) for r in list(self.k)
+                if (r.headers.get("Authorization") or "").startswith("Bearer ")]
+
+    def rbac_denials(self) -> list[str]:
+        """The operator's requests that the chart's rendered RBAC does not allow."""
+        from support import rbac
+
+        return rbac.denied(self.operator_requests(), rbac.chart_rules(*self.chart_values, namespace=NAMESPACE))
+
     def request_count(self) -> int:
         return len(list(self.k))
+
+    async def settle(self, quiet: float = 1.0, timeout: float = 15.0) -> None:
+        """Wait until no request at all has reached the emulator for ``quiet`` seconds."""
+        deadline = time.monotonic() + timeout
+        count, since = self.request_count(), time.monotonic()
+        while time.monotonic() - since < quiet:
+            await asyncio.sleep(0.1)
+            if self.request_count() != count:
+                count, since = self.request_count(), time.monotonic()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the operator never went quiet")
 
     async def wait_for(self, predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> Any:
         """Poll ``predicate`` until it returns something truthy; return that."""
@@ -194,6 +223,8 @@ async def operator_env(tmp_path, monkeypatch):
             yield env
         finally:
             await env.stop()
+        denials = env.rbac_denials()
+        assert not denials, "requests the chart's RBAC refuses:\n" + "\n".join(denials)
 
 
 __all__ = ["OperatorEnv", "make_cr", "operator_env", "declare_resources", "kubeconfig_for", "NAMESPACE"]

@@ -9,7 +9,9 @@ import sys
 
 from dataclasses import dataclass
 
-from kvpilot import KvCacheConfig, SamplingParams
+import pytest
+
+from kvpilot import LLM, KvCacheConfig, SamplingParams
 
 # A pool of 16 blocks x 8 tokens: four 32-token generations need ~20 blocks, so some are preempted.
 STORIES_KV = dict(tokens_per_block=8, max_tokens=128)
@@ -92,3 +94,34 @@ def lws_worker_pod(tmp_path, model_dir, monkeypatch, tp: int = 1, pp: int = 2):
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from support.engine import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_lws"), seed=5, vocab=385, layers=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_single_reference(tiny_model_dir):
+    with LLM(str(tiny_model_dir), skip_tokenizer_init=True, device="cpu") as llm:
+        return run_tiny_workload(llm)
+
+
+class _FrontEndDraws:
+    """Counts the rows the front end's own sampler is launched on."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler, self.rows = sampler, 0
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+    def launch(self, logits, rows):
+        self.rows += len(rows)
+        return self.sampler.launch(logits, rows)
+
+    def __call__(self, logits, rows):
+        self.rows += len(rows)
+        return self.sampler(logits, rows)

@@ -184,3 +184,18 @@ def pp_padding_rank(rank: int, spec, buckets: list[int], plans: list, conn) -> N
         _send(conn, ("ok", rank, res))
     except BaseException as e:  # noqa: BLE001 - report anything to the test
         _send(conn, ("error", rank, "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+
+
+MAX_BS, MAX_SEQ, MAX_TOKENS = 4, 64, 64
+BUCKETS = [16, 32, 48, 64]
+
+
+def exactness_runner(model_dir: Path, dtype: str = "float32"):
+    """A CPU `ModelRunner` of ``model_dir`` with this module's batch limits."""
+    from kvpilot.config import KvCacheConfig
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.runner.model_runner import ModelRunner
+
+    return ModelRunner(model_dir, ModelConfig.from_dir(model_dir), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512),
+                       max_num_tokens=MAX_TOKENS, max_batch_size=MAX_BS, max_seq_len=MAX_SEQ, device="cpu",
+                       dtype=dtype)

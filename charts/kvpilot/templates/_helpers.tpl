@@ -45,19 +45,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, create, patch, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch, delete]
-# The autoscaler reads the engine pods' /metrics.
+  verbs: [get, list, watch, create, patch, delete]
+# The autoscaler lists the engine pods to scrape their /metrics, and annotates them with
+# controller.kubernetes.io/pod-deletion-cost before lowering replicas.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
-# kopf reports handler failures as Events.
-- apiGroups: ["", events.k8s.io]
+  verbs: [list, patch]
+# Events on the LLMDeployment: rescales, failures (kopf's and the operator's).
+- apiGroups: [""]
   resources: [events]
   verbs: [create]
-{{- if .Values.peering.enabled }}
+{{- /* Namespaced peering objects are used only when watching namespaces. */}}
+{{- if and .Values.peering.enabled .Values.watchNamespaces }}
 - apiGroups: [kopf.dev]
   resources: [kopfpeerings]
   verbs: [get, list, watch, patch]

@@ -43,6 +43,9 @@ def attach_engine(state: ServerState, llm: Any, metrics_prefixes: tuple[str, ...
     llm.add_stat_logger(stat_logger)
     state.llm = llm
     logger.info("engine ready: serving %s (context %d tokens)", state.served_model_name, llm.max_seq_len)
+    gd = getattr(llm, "generation_defaults", None)
+    if gd is not None:
+        logger.info("sampling defaults for unset request fields (generation_config.json): %s", gd.describe())
 
 
 def create_app(state: ServerState, load: Optional[Callable[[], Any]] = None,

@@ -208,7 +208,7 @@ def check_out_dtype(device: str) -> tuple[bool, list[str]]:
         ):
             err = float((got.double() - want).norm() / want.norm())
             # silu_mul_gemv: above the Triton GEMV's rows the activation comes from the Triton
-            # silu_and_mul, a rare bf16 ulp apart from the reference's (test_kernels_gemv_out_dtype.py)
+            # silu_and_mul, a rare bf16 ulp apart from the reference's (test_gemv_out_dtype.py)
             good = got.dtype == torch.float32 and err < (1e-5 if name == "gemv" else 1e-3)
             lines.append(f"{'ok  ' if good else 'FAIL'} {name} {dt} M={m} out_dtype=float32: {got.dtype}, rel err {err:.1e}")
             ok &= good

@@ -59,7 +59,7 @@ def _rotary_decode_kernel(
     # With PDL (kernels/pdl.py) this kernel waits for the QKV projection only after loading the
     # step's metadata and the rotary table below: no kernel of the step writes them (the metadata is
     # copied before its first kernel). On an H200, 0.9-1.0 us less per layer at 512-16,384 keys
-    # (BENCHMARKS.md). tests/pdl_order_check.py allows these loads (EARLY_LOADS).
+    # (BENCHMARKS.md). tools/pdl_order_check.py allows these loads (EARLY_LOADS).
     pdl_trigger(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -538,7 +538,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
-        # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
+        # (``PDL`` is the calling kernel's USE_PDL; tools/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
         # first K tile of weights, already loaded. The next kernel is let in when a program starts
         # its last tile.

@@ -34,6 +34,7 @@ from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import LWS_API_VERSION, MANAGED_BY, render, workload_kind
 from .status import desired_status, merge_conditions, now_rfc3339, status_patch
+from .status_writer import update_status
 # Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
 from . import autoscale_daemon  # noqa: F401
 
@@ -54,6 +55,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig | None = N
     as reconcile retries.
     """
     config = config or OperatorConfig()
+    settings.peering.lifetime = config.peering_lifetime_s
     settings.networking.error_backoffs = [min(config.retry_max_s, config.retry_base_s * 2 ** i) for i in range(8)]
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -166,14 +168,19 @@ def _report_failure(client: kube.KubeClient, cr: dict[str, Any], reason: str, me
     """
     meta = cr.get("metadata") or {}
     ns, name = meta.get("namespace") or "default", meta.get("name")
-    old = (cr.get("status") or {}).get("conditions") or []
-    prev = next((c for c in old if c.get("type") == RECONCILED), {})
     cond = _condition(RECONCILED, False, reason, message[:1000])
+    previous: dict[str, Any] = {}
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        old = (fresh.get("status") or {}).get("conditions") or []
+        previous.update(next((c for c in old if c.get("type") == RECONCILED), {}))
+        if (previous.get("status"), previous.get("reason"), previous.get("message")) == ("False", reason, cond["message"]):
+            return None
+        return {"conditions": merge_conditions(old, [cond], now_rfc3339())}
+
     try:
-        if (prev.get("status"), prev.get("reason"), prev.get("message")) != ("False", reason, cond["message"]):
-            client.merge_patch(KIND, ns, name, {"status": {"conditions": merge_conditions(old, [cond], now_rfc3339())}},
-                               subresource="status")
-        if (prev.get("status"), prev.get("reason")) != ("False", reason):
+        update_status(client, ns, name, compute)
+        if (previous.get("status"), previous.get("reason")) != ("False", reason):
             client.request("POST", kube.resource_path("v1", "events", ns), warning_event(cr, reason, message))
     except (kube.ApiError, OSError) as exc:
         logger.warning("could not report %s on %s/%s: %s", reason, ns, name, exc)
@@ -236,14 +243,25 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
 
 def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,
                   observed_generation: bool, extra: list[dict[str, Any]] | None = None) -> None:
-    desired = desired_status(cr, child, now_rfc3339(), observed_generation=observed_generation)
-    if extra:
-        desired["conditions"] = merge_conditions(desired["conditions"], extra, now_rfc3339())
-    patch = status_patch(cr, desired)
-    if patch:
-        meta = cr["metadata"]
-        client.merge_patch(KIND, meta.get("namespace") or "default", meta["name"], {"status": patch},
-                           subresource="status")
+    """Write the status kvpilot owns for ``cr`` (its spec as rendered) and ``child``, computed
+    against a fresh read of the status so that other writers' conditions survive."""
+    meta = cr["metadata"]
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        current = {**cr, "status": fresh.get("status") or {}}
+        now = now_rfc3339()
+        desired = desired_status(current, child, now, observed_generation=observed_generation)
+        if extra:
+            desired["conditions"] = merge_conditions(desired["conditions"], extra, now)
+        patch = status_patch(current, desired)
+        scaling = next((c for c in current["status"].get("conditions") or [] if c.get("type") == "ScalingActive"), None)
+        if observed_generation and not cr["spec"]["autoscaling"]["enabled"] and scaling:
+            # Switched off (also while no autoscaler ran, e.g. the operator was down): say so.
+            off = autoscale_daemon.disabled_status({**current["status"], **patch}, now)
+            patch.update(off or {})
+        return patch
+
+    update_status(client, meta.get("namespace") or "default", meta["name"], compute)
 
 
 def _as_dict(body: Any) -> dict[str, Any]:

@@ -262,17 +262,23 @@ def _http_get(path: str = "/health") -> dict[str, Any]:
     return {"path": path, "port": "http"}
 
 
+LIVENESS_PATH = "/v1/health/live"  # 200 while the process is healthy, draining included
+READINESS_FAILURES = 3  # one slow answer must not take a pod out of the Service
+
+
 def _probes(spec: dict[str, Any]) -> dict[str, Any]:
+    """Startup and readiness on ``/health`` (503 while loading or draining); liveness on
+    ``/v1/health/live``, which stays 200 through a drain, so a wedged engine (no answer within
+    10 s, three times in a row) is restarted within about 45 s, drain length notwithstanding."""
     startup_budget = int(spec["startup"]["timeoutSeconds"])
-    drain = PRESTOP_SLEEP_SECONDS + int(spec["engine"]["drainTimeoutSeconds"])
     return {
         # Model loading: /health answers 503 until the engine can serve.
         "startupProbe": {"httpGet": _http_get(), "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
                          "failureThreshold": math.ceil(startup_budget / STARTUP_PROBE_PERIOD_SECONDS)},
-        "readinessProbe": {"httpGet": _http_get(), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1},
-        # /health is 503 while draining; liveness must outlast a full drain or it would kill it.
-        "livenessProbe": {"httpGet": _http_get(), "periodSeconds": LIVENESS_PERIOD_SECONDS, "timeoutSeconds": 10,
-                          "failureThreshold": max(4, math.ceil(drain / LIVENESS_PERIOD_SECONDS) + 1)},
+        "readinessProbe": {"httpGet": _http_get(), "periodSeconds": 5, "timeoutSeconds": 5,
+                           "failureThreshold": READINESS_FAILURES},
+        "livenessProbe": {"httpGet": _http_get(LIVENESS_PATH), "periodSeconds": LIVENESS_PERIOD_SECONDS,
+                          "timeoutSeconds": 10, "failureThreshold": 3},
     }
 
 

@@ -836,8 +836,13 @@ class EngineCore:
             entry = {t: Logprob(v, r + 1, self._piece(t, context)) for r, (t, v) in enumerate(zip(ids, vals))}
             entry.setdefault(token, Logprob(e.logprob, rank, self._piece(token, context)))
             seq.pending_logprobs.append(entry)
-        if self.tokenizer is not None and p.detokenize and (not e.stopped_by_token or p.include_stop_str_in_output):
-            new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens)
+        if self.tokenizer is not None and p.detokenize:
+            # At the end, the text held back for an incomplete character is flushed; a stop token's
+            # own text is left out unless asked for.
+            final = seq.finish_reason is not None
+            keep_token = not e.stopped_by_token or p.include_stop_str_in_output
+            new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens, final=final,
+                                  end=None if keep_token else len(seq.token_ids) - 1)
             if new:
                 seq.text += new
                 # A stop string wins over "length" reached by the same token, as it always has.

@@ -92,3 +92,42 @@ def _as_list(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+#: generation_config.json keys applied as sampling defaults, and their SamplingParams names
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's recommended sampling settings (``generation_config.json``), applied to a request
+    field the request leaves unset, as vLLM's ``--generation-config auto`` does.
+
+    ``values`` maps `kvpilot.SamplingParams` field names to the file's values (only the keys of
+    `GENERATION_DEFAULT_KEYS` that the file sets); the end-of-sequence ids of the file are merged
+    into `ModelConfig.eos_token_ids` instead.
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "GenerationDefaults":
+        """Read ``generation_config.json`` (none: no defaults).
+
+        Raises:
+            ValueError: the file is not a JSON object.
+        """
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        gen = json.loads(path.read_text())
+        if not isinstance(gen, dict):
+            raise ValueError(f"{path} must hold a JSON object")
+        return cls({ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_KEYS.items() if gen.get(theirs) is not None})
+
+    def describe(self) -> str:
+        """One line for the start-up log: which defaults apply."""
+        if not self.values:
+            return "none (generation_config.json sets no sampling defaults)"
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.values.items()))

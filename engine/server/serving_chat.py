@@ -23,7 +23,7 @@ from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogprob, ChatLogprobEntry,
                        ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
-from kvpilot.server.sampling import chat_max_tokens, chat_params, check_context
+from kvpilot.server.sampling import generation_defaults, chat_max_tokens, chat_params, check_context
 from kvpilot.server.serving_completion import check_model, params_n, submit
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_text, until_disconnect,
@@ -66,7 +66,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if exc.param == "prompt":
             exc.param = "messages"
         raise
-    params = chat_params(req, max_tokens)
+    params = chat_params(req, max_tokens, generation_defaults(llm))
     request_id = random_id("chatcmpl")
     outputs = submit(llm, [prompt_ids], params, streaming=bool(req.stream), prompt_param="messages",
                      max_tokens_param=param)

@@ -27,6 +27,7 @@ OWNER = [{"apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "LLMDeployment", 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 MODEL_DIR = f"/models/hub/{MODEL}/main"
 HEALTH = {"path": "/health", "port": "http"}
+LIVE = {"path": "/v1/health/live", "port": "http"}
 SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -79,8 +80,8 @@ def check_pod(pod: dict, gpus: int, args: list[str], leader: bool = True, multi_
             ports.append({"name": "dist", "containerPort": 29500, "protocol": "TCP"})
         assert c["ports"] == ports
         assert c["startupProbe"] == {"httpGet": HEALTH, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180}
-        assert c["readinessProbe"] == {"httpGet": HEALTH, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1}
-        assert c["livenessProbe"] == {"httpGet": HEALTH, "periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4}
+        assert c["readinessProbe"] == {"httpGet": HEALTH, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+        assert c["livenessProbe"] == {"httpGet": LIVE, "periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 3}
     else:
         assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(c)
 
@@ -169,7 +170,7 @@ def test_every_engine_setting_becomes_a_flag():
     assert pod["volumes"][1] == {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}}
     assert pod["nodeSelector"] == {"gpu": "h200"} and pod["tolerations"] == extra["tolerations"]
     assert pod["terminationGracePeriodSeconds"] == 5 + 120 + 10
-    assert c["livenessProbe"]["failureThreshold"] == 10  # outlasts the 125 s drain: ceil(125/15)+1
+    assert c["livenessProbe"]["failureThreshold"] == 3  # /v1/health/live stays 200 through the 125 s drain
     assert c["startupProbe"]["failureThreshold"] == 360
     assert objects[1]["spec"]["type"] == "LoadBalancer" and objects[1]["spec"]["ports"][0]["port"] == 80
 

@@ -130,10 +130,12 @@ def test_tp8_pp2_leader_worker_set():
         "leaderworkerset.sigs.k8s.io/worker-index=0")
 
 
-def test_tp16_on_8_gpu_nodes_is_two_pods_of_8():
-    lws = render(cr(tensor=16))[0]["spec"]["leaderWorkerTemplate"]
+def test_16_gpus_on_8_gpu_nodes_is_two_pods_of_8_and_tp_stays_in_a_node():
+    lws = render(cr(tensor=8, pipeline=2))[0]["spec"]["leaderWorkerTemplate"]
     assert lws["size"] == 2
     assert lws["workerTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    with pytest.raises(ValueError, match="must divide gpusPerNode"):  # TP 16 would straddle two nodes
+        render(cr(tensor=16))
 
 
 def test_every_engine_setting_becomes_a_flag():

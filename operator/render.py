@@ -35,6 +35,9 @@ APP_NAME = "kvpilot"
 COMPONENT = "engine"
 MANAGED_BY = "kvpilot-operator"
 OWNER_LABEL = "serving.kvpilot.io/llmdeployment"
+# On engine pods: which workload kind runs them, so that while a shape change crosses the one-node
+# boundary the Service can keep selecting only the old workload's pods.
+WORKLOAD_LABEL = "serving.kvpilot.io/workload"
 
 ENGINE_CONTAINER = "engine"
 HTTP_PORT = 8000  # the engine's port inside the pod; the Service port is spec.service.port
@@ -103,10 +106,21 @@ def selector_labels(name: str) -> dict[str, str]:
 
 def serving_selector(cr: dict[str, Any]) -> dict[str, str]:
     """Labels of the pods that serve HTTP (and /metrics): all pods, or LWS leaders only."""
-    labels = selector_labels(cr["metadata"]["name"])
-    if shape_of(cr["spec"]).multi_node:
+    return serving_selector_of(cr["metadata"]["name"], workload_kind(cr))
+
+
+def serving_selector_of(name: str, kind: str) -> dict[str, str]:
+    """The serving pods of a workload of ``kind`` (``Deployment`` or ``LeaderWorkerSet``)."""
+    labels = selector_labels(name)
+    if kind == "LeaderWorkerSet":
         labels[LWS_WORKER_INDEX_LABEL] = "0"
     return labels
+
+
+def surge_selector(name: str, old_kind: str) -> dict[str, str]:
+    """The Service selector while a new workload of the other kind starts: the old workload's
+    serving pods only (never the new workload's pods, e.g. LWS workers, which serve no HTTP)."""
+    return {**serving_selector_of(name, old_kind), WORKLOAD_LABEL: old_kind}
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -351,7 +365,7 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
 
 
 def _pod_template(cr: dict[str, Any], leader: bool = True) -> dict[str, Any]:
-    return {"metadata": {"labels": common_labels(cr),
+    return {"metadata": {"labels": {**common_labels(cr), WORKLOAD_LABEL: workload_kind(cr)},
                          "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER}},
             "spec": _pod_spec(cr, leader)}
 

@@ -269,6 +269,8 @@ def _resources(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
         requests["cpu"] = _quantity(res["cpu"])  # no CPU limit: throttling a GPU feeder only slows it
     if res.get("memory") is not None:
         requests["memory"] = limits["memory"] = _quantity(res["memory"])
+    for name, value in sorted(((spec.get("pod") or {}).get("extraResources") or {}).items()):
+        requests[name] = limits[name] = _quantity(value)  # extended resources: requests == limits
     return {"requests": requests, "limits": limits}
 
 
@@ -318,6 +320,9 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
     if claim:
         mounts.append({"name": "model-source", "mountPath": MODEL_SOURCE_DIR, "readOnly": True})
         volumes.append({"name": "model-source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    pod_settings = spec.get("pod") or {}
+    mounts += copy.deepcopy(pod_settings.get("extraVolumeMounts") or [])
+    volumes += copy.deepcopy(pod_settings.get("extraVolumes") or [])
 
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}] if leader else []
     if shape.multi_node and leader:
@@ -343,9 +348,12 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         "automountServiceAccountToken": False,  # the engine never talks to the API server
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
+        "containers": [container] + copy.deepcopy(pod_settings.get("sidecars") or []),
         "volumes": volumes,
     }
+    for key in ("imagePullSecrets", "serviceAccountName", "priorityClassName", "hostIPC"):
+        if pod_settings.get(key) not in (None, [], ""):
+            pod[key] = copy.deepcopy(pod_settings[key])
     if hub_id:
         # Download once into the storage volume; the engine then loads a local directory, so a
         # pinned revision is honoured and restarts on a PVC skip the download.
@@ -365,9 +373,11 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
 
 
 def _pod_template(cr: dict[str, Any], leader: bool = True) -> dict[str, Any]:
-    return {"metadata": {"labels": {**common_labels(cr), WORKLOAD_LABEL: workload_kind(cr)},
-                         "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER}},
-            "spec": _pod_spec(cr, leader)}
+    """Pod labels and annotations: the user's (``spec.pod``) first, kvpilot's own on top."""
+    settings = cr["spec"].get("pod") or {}
+    labels = {**(settings.get("labels") or {}), **common_labels(cr), WORKLOAD_LABEL: workload_kind(cr)}
+    annotations = {**(settings.get("annotations") or {}), "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": _pod_spec(cr, leader)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-gpu clean
+.PHONY: install demo test test-gpu bench-gpu bench-dry clean
 
 # The top-level folder `operator/` would shadow the standard library's `operator` module for any
 # `python -m ...` started here (the current directory goes first on sys.path), so every tool runs
@@ -26,6 +26,20 @@ test: install
 
 test-gpu: install
 	$(VENV)/bin/pytest -q -m gpu tests
+
+# Every figure of BENCHMARKS.md's current-results table (`kvpilot bench all`), in one process on one
+# GPU. On the project's device image run `source benchmarks/device_setup.sh` first: it installs
+# kvpilot into the image's python and puts `kvpilot` on PATH (no .venv there). About 6 minutes on an
+# H200, most of it the two offline runs; BENCH_ARGS='--quick' takes about 3, e.g.
+#   make bench-gpu BENCH_OUT=$$OUT/bench.json BENCH_ARGS='--figures decode-b1,offline'
+BENCH_OUT ?= bench-results.json
+BENCH_ARGS ?=
+bench-gpu:
+	kvpilot bench all --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# The same figures on a tiny random Llama on the CPU, in seconds: checks the benchmark code, not speed.
+bench-dry: install
+	$(VENV)/bin/kvpilot bench all --dry-run --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

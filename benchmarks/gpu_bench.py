@@ -7,7 +7,7 @@ Usage (from the repo root; never ``python -m``: the repo's operator/ folder shad
     python3 benchmarks/gpu_bench.py --tiny --out /tmp/gb  # CPU dry run of every code path
 
 Order: measured ceilings (device copy bandwidth, bf16 matrix-product rate) -> stories260K golden
-text on the device -> a random-weight checkpoint written with `gpu_random_model` -> the kvpilot
+text on the device -> a random-weight checkpoint written with `kvpilot.tools.random_model` -> the kvpilot
 phase (KV capacity, 512-token prefill logits, greedy tokens of 32 prompts, decode step timings with
 the LM head inside/outside the CUDA graph and eagerly, batch-1 latency, 8k prefill, the batch-64
 workload, the concurrency and context sweeps, offline throughput) -> the transformers phase (same
@@ -31,11 +31,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "benchmarks"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
 
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 log = logging.getLogger("gpu_bench")
 
@@ -113,7 +113,7 @@ def ceilings(info: dict, dev: str, tiny: bool) -> None:
 
 
 def stories_golden(info: dict, dev: str) -> None:
-    from support.engine import GOLDEN
+    from kvpilot.tools.convert_llama2c import STORIES260K_GREEDY as GOLDEN
     from kvpilot import LLM, KvCacheConfig, SamplingParams
     from kvpilot.tools.convert_llama2c import ensure_stories260k
 

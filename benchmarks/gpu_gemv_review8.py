@@ -14,7 +14,7 @@ Usage (one H200 after `pip install -e .`; under a minute):
    also with a strided bias and as an fp32 partial product.
 2. Timing (bf16, CUDA graphs over rotating weight copies, `gpu_gemv.Op`): the table's rmsnorm
    configuration (``norm_one_load``) against the same configuration with the K-tile norm pass.
-   ptxas (tests/compile_kernels.py) gives the vec row 58 registers at K <= 4096 but 79 at 8192 and
+   ptxas (tools/compile_kernels.py) gives the vec row 58 registers at K <= 4096 but 79 at 8192 and
    164 at 16384 with the one-load pass (58 with the loop), and the early_weight row 128 / 248 at
    8192 / 16384: fewer resident programs than ``programs_per_sm`` asks (8 and 4 per SM). A ratio
    above 1 in the last column says the one-load pass loses at that K. (``NORM_ONE_LOAD_MAX`` keeps
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
 import gpu_gemv as GB  # noqa: E402
 
 from kvpilot.kernels import gemv as G  # noqa: E402

@@ -34,7 +34,7 @@ configuration ``gemv_config`` gives that shard today, cuBLAS and ``TP2_CANDIDATE
   the shapes each row catches, same-N conflicts that need a K bound (a ``kernels/gemv.py`` change), and
   what the rows change for the TP-4 and TP-8 shards (not timed).
 No whole-layer part (``gpu_decode_layer`` builds TP-1 layers only).
-``--compile-check`` compiles the TP-2 configurations for sm_90 without a GPU (``tests/compile_kernels.py``'s
+``--compile-check`` compiles the TP-2 configurations for sm_90 without a GPU (``tools/compile_kernels.py``'s
 fake driver; the CPU's Triton, not the H200's) and prints registers, spills and programs resident per
 SM; exits 1 on a failed compile, a spill, or a persistent grid (``programs_per_sm``) larger than fits.
 Exits 1 on a mismatch.
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
 import gpu_decode_layer as D  # noqa: E402
 import gpu_gemv as GB  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
@@ -437,7 +437,7 @@ def compile_check(ops: list[str]) -> int:
         print("--compile-check compiles: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # empty: ptxas runs, so registers are known
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import compile_kernels as ck  # noqa: E402 - its fake driver reports an sm_90 GPU
 
     from triton.backends.nvidia.compiler import get_ptxas

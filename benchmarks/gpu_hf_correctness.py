@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E402
 
 PROMPTS, PROMPT_LEN, STEPS, PREFILL_LEN = 32, 64, 64, 512
 TIE_FACTOR = 2.0

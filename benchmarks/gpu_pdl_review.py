@@ -322,7 +322,7 @@ def chain_worker(mode: str, layers: int, out_path: str) -> None:
         enter = _pdl_enter_wait_first if mode == "wait_first" else _pdl_enter_no_trigger
         for mod in (attention, KG, kv_cache, pointwise):
             mod.pdl_enter = enter
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
     import gpu_decode_layer as gdl
 
     mods, caches, meta, positions, cos_sin, hidden0 = gdl.build_layers(layers, 4096)

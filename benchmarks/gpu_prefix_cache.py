@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 
 async def _ttft(llm, ids, sp) -> float:

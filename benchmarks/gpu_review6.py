@@ -1,4 +1,4 @@
-"""GPU checks of the sixth session's review (tests/test_review_session6.py), one short H200 run.
+"""GPU checks of the sixth session's review (tests/engine/core/test_beam_admission.py), one short H200 run.
 
 1. ``lazy``: `_decode_kernel` with ``TUNING["decode"]["lazy_rescale"]`` on and off at Llama-3.1-8B
    decode shapes (32 query / 8 kv heads of 128, bf16 and FP8 caches; batch 96 x 200-3,000 tokens,

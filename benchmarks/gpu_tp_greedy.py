@@ -18,7 +18,7 @@ flips near-ties after a few tokens. Two causes were examined (seventh session):
   logprob difference 0, on two H200s).
 
 For each dtype, one `LLM` per layout (``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` for that layout's
-environment) on the random model of ``benchmarks/gpu_random_model.py`` (written once to
+environment) on the random model of ``kvpilot.tools.random_model`` (written once to
 ``--model-dir``, reused when present): greedy tokens of ``--prompts`` random prompts (16..200 tokens)
 x ``--tokens`` tokens, one request at a time (so every layout runs the same steps), compared with the
 first layout; the chosen tokens' logprobs over the common prefix (max and mean difference); and the
@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 from gpu_tp_profile import _layout  # noqa: E402
 
 DEFAULT_LAYOUTS = "1x1,2x1:KVPILOT_TP_REDUCE_FP32=1,2x1,1x2"

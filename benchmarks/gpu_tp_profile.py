@@ -2,7 +2,7 @@
 
 For each layout (default ``1x1``, ``2x1``, ``1x2`` with pipeline-stage decode graphs, ``1x2`` with
 eager stages: ``KVPILOT_PP_CUDA_GRAPHS=0``), one `LLM` in turn on the random model of
-``benchmarks/gpu_random_model.py`` (written once to ``--model-dir``, reused when present):
+``kvpilot.tools.random_model`` (written once to ``--model-dir``, reused when present):
 
 - greedy tokens of 4 fixed prompts x 32 tokens (with each step's top-2 logprobs), compared with the
   first layout's;
@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 DEFAULT_LAYOUTS = "1x1,2x1,1x2,1x2:KVPILOT_PP_CUDA_GRAPHS=0"
 NEAR_TIE = 0.15  # nats: graph vs eager PP 2 parted at a 0.094-nat gap on this random model (H200, 2026-11-30)

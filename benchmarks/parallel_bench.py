@@ -1,7 +1,7 @@
 """Tensor/pipeline-parallel benchmark: greedy agreement, batch-1 inter-token latency, offline throughput.
 
 For each layout ``TPxPP`` (one `LLM` each, loaded in turn) it measures, on a random-weight model of
-Llama-3.1-8B's shape (``benchmarks/gpu_random_model.py``; ``--tiny`` for a CPU dry run):
+Llama-3.1-8B's shape (``kvpilot.tools.random_model``; ``--tiny`` for a CPU dry run):
 
 - greedy tokens of fixed random prompts, compared with the first layout's (TP 1 is the reference);
 - batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N,
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
 
 def _layout(text: str) -> tuple[int, int, dict]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
+
+from kvpilot import envs
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float16", "float32", "bf16", "fp16", "fp32")
@@ -48,4 +49,4 @@ class KvCacheConfig:
 
 def cpu_kv_cache_bytes() -> int:
     """Bytes the CPU backend may give its KV pool (``KVPILOT_CPU_KVCACHE_GB``, default 4)."""
-    return int(float(os.environ.get("KVPILOT_CPU_KVCACHE_GB", "4")) * (1 << 30))
+    return envs.cpu_kv_cache_bytes()

@@ -19,13 +19,15 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Unio
 
 from kvpilot.config import KvCacheConfig
 
-from kvpilot.model.config import ModelConfig
+from kvpilot.model.config import GenerationDefaults, ModelConfig
+from kvpilot.model.hub import resolve_model
 from kvpilot.core.engine_core import EngineCore
 from kvpilot.core.engine_loop import EngineLoop
 from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (EngineDeadError: public here too)
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
+from kvpilot.text import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -34,11 +36,15 @@ _request_ids = itertools.count()
 
 
 class LLM:
-    """Load a Hugging Face Llama-architecture checkpoint and serve requests from a background loop.
+    """Load a Hugging Face checkpoint and serve requests from a background loop.
 
     Args:
-        model: a Hugging Face checkpoint directory (Hub ids need network access and are not fetched).
-        tokenizer: a directory holding the tokenizer, if not ``model``.
+        model: a Hugging Face checkpoint directory, or a Hub repo id (``org/name``) fetched into the
+            Hugging Face cache (`kvpilot.model.hub.resolve_model`: safetensors, configs and tokenizer
+            files only; ``HF_TOKEN``, ``HF_HUB_OFFLINE`` and ``HF_HUB_CACHE`` apply). The architecture
+            must be one of `kvpilot.model.registry.MODEL_REGISTRY` (docs/models.md).
+        tokenizer: a directory or Hub id holding the tokenizer, if not ``model``.
+        revision: the Hub branch, tag or commit of ``model`` (default ``main``; Hub ids only).
         backend: only "pytorch".
         tensor_parallel_size, pipeline_parallel_size: worker layout (T x P processes when > 1).
         max_batch_size: sequences per step (default 256).
@@ -47,17 +53,24 @@ class LLM:
             ``max_position_embeddings``). A larger value is an error unless
             ``allow_long_max_seq_len`` is set.
         kv_cache_config: `KvCacheConfig`.
-        trust_remote_code: accepted for API compatibility; custom model code is never run.
+        trust_remote_code: accepted for API compatibility; custom model code is never run (a config
+            that needs it is an error naming its architecture).
         skip_tokenizer_init: run without a tokenizer (prompts must be token ids; no text out).
         device: "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N".
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
 
+    Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
+    ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
+    `default_sampling_params`); its end-of-sequence ids always stop generation.
+
     Raises:
-        FileNotFoundError: the model directory or its files are missing.
+        FileNotFoundError: the model directory or its files are missing, or the Hub id / revision
+            cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
+        PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
-            positions included).
+            positions included); an unsupported architecture.
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
@@ -68,7 +81,7 @@ class LLM:
                  max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
-                 allow_long_max_seq_len: bool = False) -> None:
+                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -76,13 +89,14 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        model_dir = Path(model)
-        if not model_dir.is_dir():
-            raise FileNotFoundError(f"model {model!r} is not a local directory; kvpilot loads Hugging Face "
-                                    f"checkpoint directories (config.json, *.safetensors, tokenizer files)")
+        model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
+        self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
-        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        self.generation_defaults = GenerationDefaults.from_dir(model_dir)
+        logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
+                    self.model_config.architecture, self.generation_defaults.describe())
         cfg = self.model_config
         self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
         if self.max_seq_len < 2:
@@ -95,7 +109,8 @@ class LLM:
         self.max_num_tokens = max_num_tokens
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
-        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(Path(tokenizer or model_dir))
+        self.tokenizer = None if skip_tokenizer_init else _load_tokenizer(
+            resolve_model(tokenizer) if tokenizer else model_dir)
         eos = list(cfg.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.append(self.tokenizer.eos_token_id)
@@ -109,11 +124,16 @@ class LLM:
         self._loop.start()
         _live_engines.add(self)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams` with the checkpoint's ``generation_config.json`` defaults (class docstring)."""
+        return SamplingParams(**self.generation_defaults.values)
+
     # ---- submission --------------------------------------------------------------------------
     def _tokenize(self, prompt: PromptInput) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this LLM was created with skip_tokenizer_init=True: give prompts as token ids")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             if not ids and self.model_config.bos_token_id is not None:
                 ids = [self.model_config.bos_token_id]
@@ -135,7 +155,7 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # A private, re-validated copy: fields changed after construction are checked again, and the
         # caller's object (often shared by many requests) is never written to.
-        params = dataclasses.replace(params) if params is not None else SamplingParams()
+        params = dataclasses.replace(params) if params is not None else self.default_sampling_params()
         if params.use_beam_search and params.num_candidates > min(self.max_batch_size, self.max_num_tokens):
             raise ValueError(f"beam search with {params.num_candidates} beams needs that many batch slots and "
                              f"tokens per step; max_batch_size is {self.max_batch_size}, max_num_tokens is "
@@ -354,7 +374,7 @@ def _make_executor(llm: LLM, device: str, dtype: str):
     from kvpilot.runner.model_runner import ModelRunner
 
     if llm.tensor_parallel_size * llm.pipeline_parallel_size > 1:
-        from kvpilot.parallel.executor import MultiprocExecutor  # noqa: F401  (issue: tensor/pipeline parallelism)
+        from kvpilot.parallel.executor import MultiprocExecutor
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,

@@ -1,4 +1,10 @@
-"""Kernels of the kvpilot engine: paged attention, KV-cache write, RMSNorm, rotary, SiLU-and-mul.
+"""Kernels of the kvpilot engine: paged attention, KV-cache write, RMSNorm, rotary, SiLU-and-mul,
+GELU(tanh)-and-mul.
+
+The attention ops take keywords ``sliding_window`` (a query at position ``p`` sees keys in
+``(p - W, p]``, the Hugging Face convention of Mistral / Qwen2 / Gemma 2-3) and ``logits_soft_cap``
+(scores ``c * tanh(s / c)``, Gemma 2); ``scale`` is the softmax scale (Gemma:
+``query_pre_attn_scalar ** -0.5``). See :func:`~kvpilot.kernels.reference.paged_attention_ref`.
 
 ``rotary_write_kv_cache`` fuses rotary embedding with the KV-cache write (one launch per layer
 instead of two); the engine's attention layer calls it before prefill and mixed steps' attention.
@@ -31,6 +37,8 @@ from .reference import (
     FP8_KV_MAX,
     apply_rotary_ref,
     build_rope_cache,
+    check_window_and_cap,
+    gelu_tanh_and_mul_ref,
     paged_attention_ref,
     rms_norm_ref,
     rotary_write_kv_cache_ref,
@@ -65,6 +73,9 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_ref",
     "silu_and_mul_triton",
+    "gelu_tanh_and_mul",
+    "gelu_tanh_and_mul_ref",
+    "gelu_tanh_and_mul_triton",
     "triton_available",
 ]
 
@@ -94,28 +105,33 @@ def paged_attention_triton(*args, **kwargs):
     """Triton version of :func:`~kvpilot.kernels.reference.paged_attention_ref` (same arguments).
 
     Also takes keywords ``num_splits``, which overrides the split-K heuristic of the decode path,
-    and ``launch_kv_heads`` (see ``kernels/attention.py``).
+    and ``launch_kv_heads`` (see ``kernels/attention.py``); ``sliding_window`` and
+    ``logits_soft_cap`` as for the reference.
     """
     return _triton_impl("attention", "paged_attention_triton")(*args, **kwargs)
 
 
 def rotary_decode_attention_triton(*args, **kwargs):
     """Triton version of :func:`rotary_decode_attention_ref` in one launch (same arguments, plus
-    ``num_splits`` and ``launch_kv_heads``; see ``kernels/attention.py``). ``q`` is not modified."""
+    ``num_splits`` and ``launch_kv_heads``; see ``kernels/attention.py``; ``sliding_window`` and
+    ``logits_soft_cap`` as for the reference). ``q`` is not modified."""
     return _triton_impl("fused_decode_attention", "rotary_decode_attention_triton")(*args, **kwargs)
 
 
 def rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                                seq_lens, query_start_loc, scale, max_seq_len):
+                                seq_lens, query_start_loc, scale, max_seq_len, *, sliding_window=None,
+                                logits_soft_cap=None):
     """Rotary + KV-cache write + attention of a decode-only batch (every query one token or none).
 
     Exactly :func:`~kvpilot.kernels.reference.rotary_write_kv_cache_ref` followed by
     :func:`~kvpilot.kernels.reference.paged_attention_ref` with ``max_query_len = 1``; see those for
-    shapes, dtypes and errors. Returns ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``; ``q`` is
-    not modified.
+    shapes, dtypes, ``sliding_window``, ``logits_soft_cap`` and errors. Returns ``[num_tokens, num_heads,
+    head_dim]`` in ``q.dtype``; ``q`` is not modified.
     """
+    check_window_and_cap(sliding_window, logits_soft_cap)
     q = rotary_write_kv_cache_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, max_seq_len)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, max_seq_len,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
 
 
 def rms_norm_triton(x, weight, eps, residual=None):
@@ -143,6 +159,11 @@ def silu_and_mul_triton(x):
     return _triton_impl("pointwise", "silu_and_mul_triton")(x)
 
 
+def gelu_tanh_and_mul_triton(x):
+    """Triton version of :func:`~kvpilot.kernels.reference.gelu_tanh_and_mul_ref` (same contract)."""
+    return _triton_impl("pointwise", "gelu_tanh_and_mul_triton")(x)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
@@ -158,26 +179,24 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_attention(
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
-    *, launch_kv_heads=None,
+    *, launch_kv_heads=None, sliding_window=None, logits_soft_cap=None,
 ):
     """Paged causal attention for mixed prefill/decode batches; Triton on CUDA, reference otherwise.
 
-    See :func:`~kvpilot.kernels.reference.paged_attention_ref` for shapes, semantics and errors.
-    ``launch_kv_heads`` (default None: the cache's KV-head count): the KV-head count the Triton
-    kernels' launch decisions assume (`kvpilot.kernels.attention.paged_attention_triton`); the
-    reference computes each head alike whatever it is.
+    See :func:`~kvpilot.kernels.reference.paged_attention_ref` for shapes, semantics, the
+    ``sliding_window`` and ``logits_soft_cap`` keywords, and errors. ``launch_kv_heads`` (default
+    None: the cache's KV-head count): the KV-head count the Triton kernels' launch decisions assume
+    (`kvpilot.kernels.attention.paged_attention_triton`); the reference computes each head alike
+    whatever it is.
     """
+    window = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if not _use_triton(q):
         return paged_attention_ref(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
-        )
-    if launch_kv_heads is None:
-        return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len, **window
         )
     return paged_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
-        launch_kv_heads=launch_kv_heads,
+        launch_kv_heads=launch_kv_heads, **window,
     )
 
 
@@ -234,7 +253,8 @@ def fused_decode_attention_enabled() -> bool:
 
 
 def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
-                            seq_lens, query_start_loc, scale, max_seq_len, *, launch_kv_heads=None):
+                            seq_lens, query_start_loc, scale, max_seq_len, *, launch_kv_heads=None,
+                            sliding_window=None, logits_soft_cap=None):
     """Rotary, KV-cache write and attention of a decode-only batch (``max_query_len == 1``).
 
     On CUDA with Triton: one launch (`rotary_decode_attention_triton`) for batches of at most
@@ -243,15 +263,18 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
     Callers must use the returned output only (``q`` may or may not be rotated in place).
     ``launch_kv_heads`` as for `paged_attention`. The one-launch kernel writes K/V only for tokens in
     a sequence's one-token query range (the engine's padding has slot -1, so the paths agree there).
+    ``sliding_window`` and ``logits_soft_cap`` as for
+    :func:`~kvpilot.kernels.reference.paged_attention_ref`.
 
     Raises:
         ValueError: bad shapes or arguments (from the kernel's checks; no switch of path). Any other
             error of the one-launch kernel (e.g. a Triton that cannot compile it), except running out
             of GPU memory, switches this process to the unfused launches for good, with a warning.
     """
+    window = dict(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if not _use_triton(q):
         return rotary_decode_attention_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                                           block_tables, seq_lens, query_start_loc, scale, max_seq_len)
+                                           block_tables, seq_lens, query_start_loc, scale, max_seq_len, **window)
     global _fused_decode_failed
     tuning = _triton_impl("attention", "TUNING")["decode"]
     if (not _fused_decode_failed and fused_decode_attention_enabled()
@@ -259,7 +282,7 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
         try:
             return rotary_decode_attention_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,
                                                   block_tables, seq_lens, query_start_loc, scale, max_seq_len,
-                                                  launch_kv_heads=launch_kv_heads)
+                                                  launch_kv_heads=launch_kv_heads, **window)
         except (ValueError, torch.cuda.OutOfMemoryError):
             raise
         except Exception:  # noqa: BLE001 - e.g. a Triton version that cannot compile it
@@ -268,7 +291,7 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
             _fused_decode_failed = True
     q = rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
     return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, 1, max_seq_len,
-                           launch_kv_heads=launch_kv_heads)
+                           launch_kv_heads=launch_kv_heads, **window)
 
 
 _fused_decode_failed = False
@@ -280,4 +303,13 @@ def silu_and_mul(x):
     See :func:`~kvpilot.kernels.reference.silu_and_mul_ref`.
     """
     fn = silu_and_mul_triton if _use_triton(x) else silu_and_mul_ref
+    return fn(x)
+
+
+def gelu_tanh_and_mul(x):
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` (GeGLU, Gemma); Triton on CUDA, reference otherwise.
+
+    See :func:`~kvpilot.kernels.reference.gelu_tanh_and_mul_ref`.
+    """
+    fn = gelu_tanh_and_mul_triton if _use_triton(x) else gelu_tanh_and_mul_ref
     return fn(x)

@@ -11,7 +11,7 @@ import torch
 from .attention_common import TUNING, attention_shape  # noqa: F401  (TUNING: the launch table)
 from .decode_attention import launch_decode
 from .prefill_attention import launch_prefill
-from .reference import _check_attention_args
+from .reference import _check_attention_args, check_window_and_cap
 
 
 def paged_attention_triton(
@@ -27,6 +27,8 @@ def paged_attention_triton(
     *,
     num_splits: int | None = None,
     launch_kv_heads: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; same contract as :func:`kvpilot.kernels.reference.paged_attention_ref`.
 
@@ -43,7 +45,10 @@ def paged_attention_triton(
     one head never depend on the grid). The prefill launch depends only on shapes and these bounds, so a
     CUDA graph captured at padded sizes (padded tokens, sequences with empty query ranges,
     ``max_query_len`` = padded token count) replays it for any batch that fits. The innermost
-    dimension of ``q`` and of the caches must be contiguous.
+    dimension of ``q`` and of the caches must be contiguous. ``sliding_window`` and
+    ``logits_soft_cap`` as for the reference: each program's keys start at the first one its
+    queries may see (pages wholly before the window are not read), and the split heuristics count
+    at most ``sliding_window`` keys per decode query.
 
     The output is allocated with ``torch.empty``: rows of tokens that no sequence covers
     (``t >= query_start_loc[-1]``, the padding of a CUDA graph) are left unwritten and may hold
@@ -52,14 +57,17 @@ def paged_attention_triton(
 
     Raises:
         ValueError: on inconsistent shapes, a non-contiguous innermost dimension, or a
-            ``launch_kv_heads`` that is not a positive divisor of the KV-head count.
+            ``launch_kv_heads`` that is not a positive divisor of the KV-head count, or a bad
+            ``sliding_window``/``logits_soft_cap``.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     out = torch.empty_like(q)  # rows no sequence covers (padding) stay unwritten
-    S = attention_shape(q, k_cache, v_cache, out, block_tables, seq_lens, scale, launch_kv_heads)
+    S = attention_shape(q, k_cache, v_cache, out, block_tables, seq_lens, scale, launch_kv_heads, sliding_window,
+                        logits_soft_cap)
     if S.num_seqs == 0 or S.num_tokens == 0 or max_query_len <= 0:
         return out
     seq_lens = seq_lens.to(torch.int32)

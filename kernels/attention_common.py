@@ -2,6 +2,11 @@
 key loop (`_attend_keys`) and the per-launch shape record (`AttentionShape`).
 
 All accumulation is fp32; softmax uses ``exp2`` with the scale folded into ``log2(e)``.
+
+Sliding windows (``window`` keys, the Hugging Face convention: a query at ``p`` sees keys in
+``(p - window, p]``) start each program's key range at its first visible key, so pages wholly before
+the window are never loaded; logit soft-capping (``c * tanh(s / c)``) is applied to each score tile
+(`_soft_cap`), with the scale folded in as ``s = tanh(qk * scale / c) * c * log2(e)``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 _LOG2E = 1.4426950408889634
 
-# Launch parameters, chosen by benchmarks/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
+# Launch parameters, chosen by benchmarks/lab/kernels_gpu.py on an H200 (docs/kernels.md). Tiles are
 # halved for head_dim > 128 to bound registers. Module-level so the benchmark can sweep them.
 TUNING = {
     # Decode contexts are split only when (sequences x kv heads) < no_split_per_sm * SMs, into
@@ -48,9 +55,9 @@ TUNING = {
         "batch_maxnreg_fp8": 168,
         # Launches without context splits rescale the running output only in key tiles where a
         # row's max moved (alpha is exactly 1 otherwise). FP8 cache, batch 492 x 1,200 keys: 386.4
-        # instead of 402.7 us per layer (H200, BENCHMARKS.md sixth session). Not bit-identical on
+        # instead of 402.7 us per layer (H200, BENCHMARKS.md). Not bit-identical on
         # the GPU: the tensor-core sum then accumulates into acc instead of being added to acc *
-        # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp (seventh session). Split launches
+        # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp. Split launches
         # (long contexts at small batch) keep the eager update: lazy measured 6-8% slower there.
         "lazy_rescale": True,
         # Decode-only batches of at most this many sequences run `rotary_decode_attention_triton`
@@ -73,8 +80,8 @@ TUNING = {
         # address registers; per cache dtype. One warp per program keeps the row max, the row sum and
         # the probabilities in registers (no barrier per page). H200, FP8 cache, one layer, batch x
         # ~1,200 keys: 91 / 197 / 278 / 327 us at batch 128 / 256 / 384 / 492 against 142 / 227 / 315
-        # / 421 us with `_decode_kernel` (75-87% of the copy rate against 52-71%; BENCHMARKS.md,
-        # fourteenth session); 2 or 4 warps were slower than the pointer kernel at batch 492. bf16
+        # / 421 us with `_decode_kernel` (75-87% of the copy rate against 52-71%; BENCHMARKS.md);
+        # 2 or 4 warps were slower than the pointer kernel at batch 492. bf16
         # cache, batch 256 / 492: 301 / 566 us against 317 / 570 us.
         "batch_tma": True,
         "batch_tma_fp8": True,
@@ -127,6 +134,16 @@ def _split_size(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.conste
 
 
 @triton.jit
+def _soft_cap(s, soft_cap_log2):
+    """``tanh(s) * soft_cap_log2`` of fp32 scores ``s`` that already hold ``qk * scale / cap``:
+    Gemma 2's ``cap * tanh(qk * scale / cap)`` in the log2 domain. tanh as
+    ``1 - 2 / (exp(2x) + 1)`` of ``x`` clamped to +-15 (tanh(15) is 1 in fp32; no exp2 overflow)."""
+    x = tl.minimum(tl.maximum(s, -15.0), 15.0)
+    t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    return t * soft_cap_log2
+
+
+@triton.jit
 def _dot_queries(q, DOT_FP32: tl.constexpr, KV_F16: tl.constexpr):
     """Queries in the dtype of the decode kernels' dots: fp32 (``DOT_FP32``), fp16 saturated at
     +-65504 for an FP8 cache (``KV_F16``: e4m3 -> f16 is one conversion, -> bf16 several), else
@@ -145,6 +162,7 @@ def _attend_keys(
     BLOCK_G: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     blk_first=None, FIRST_PRELOADED: tl.constexpr = False,
+    soft_cap_log2=0.0, SOFT_CAP: tl.constexpr = False,
 ):  # fmt: skip
     """Online softmax of one GQA group's queries ``q`` ``[BLOCK_G, HEAD_DIM_PAD]`` over keys
     ``[kv_start, kv_end)`` of one kv head (scores times ``scale_log2``), gathered tile by tile through
@@ -152,7 +170,8 @@ def _attend_keys(
     ``[BLOCK_G, HEAD_DIM_PAD]``, the running max and the softmax denominator (log2 domain), both
     ``[BLOCK_G]``. With
     ``FIRST_PRELOADED``, ``blk_first`` ``[BLOCK_N]`` int64 holds the first tile's cache blocks, loaded
-    by the caller (e.g. before its PDL wait)."""
+    by the caller (e.g. before its PDL wait). With ``SOFT_CAP``, ``scale_log2`` is ``scale / cap`` and
+    scores are soft-capped (`_soft_cap`)."""
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM_PAD], dtype=tl.float32)
@@ -177,6 +196,8 @@ def _attend_keys(
         else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
             k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if SOFT_CAP:
+            s = _soft_cap(s, soft_cap_log2)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         # Every split has at least one valid key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -275,7 +296,9 @@ class AttentionShape:
     ``precision``: tl.dot's input precision ("ieee" for fp32 inputs, else "tf32"); ``kv_f16``: an FP8
     cache read into fp16 dots; ``dot_fp32``: bf16 dots upcast to fp32 (Triton's CPU interpreter
     computes bf16 tl.dot wrongly); ``strides``: q, k_cache, v_cache, out and block-table strides in
-    the kernels' argument order.
+    the kernels' argument order. ``window``: the sliding window in keys (0: none); ``soft_cap_log2``:
+    ``cap * log2(e)`` (0.0: no soft cap), and then ``scale_log2`` holds ``scale / cap``
+    (`score_scales`).
     """
 
     num_tokens: int
@@ -292,12 +315,30 @@ class AttentionShape:
     kv_f16: bool
     dot_fp32: bool
     strides: tuple
+    window: int = 0
+    soft_cap_log2: float = 0.0
+
+    def keys_bound(self, max_seq_len: int) -> int:
+        """Most keys one decode query reads: ``max_seq_len``, or the window when shorter."""
+        return min(max_seq_len, self.window) if self.window else max_seq_len
+
+
+def score_scales(scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
+    """``(scale_arg, soft_cap_log2)`` of the kernels: ``(scale * log2(e), 0.0)`` without a soft cap,
+    ``(scale / cap, cap * log2(e))`` with one (`_soft_cap` then gives ``cap * tanh(qk * scale / cap)``
+    in the log2 domain)."""
+    if logits_soft_cap is None:
+        return float(scale) * _LOG2E, 0.0
+    return float(scale) / logits_soft_cap, logits_soft_cap * _LOG2E
 
 
 def attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                    launch_kv_heads: int | None) -> AttentionShape:
-    """The `AttentionShape` of a call (``launch_kv_heads`` None: the cache's KV-head count).
+                    launch_kv_heads: int | None, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> AttentionShape:
+    """The `AttentionShape` of a call (``launch_kv_heads`` None: the cache's KV-head count;
+    ``sliding_window``/``logits_soft_cap`` as validated by
+    :func:`kvpilot.kernels.reference.check_window_and_cap`).
 
     Raises:
         ValueError: ``launch_kv_heads`` is not a positive divisor of the KV-head count.
@@ -312,19 +353,21 @@ def attention_shape(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # An FP8 cache is read into fp16 dots (q rounded to fp16, saturating): on an H200 converting e4m3
     # to bf16 made the decode kernel compute-bound at about half the copy bandwidth.
     kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
+    scale_arg, soft_cap_log2 = score_scales(scale, logits_soft_cap)
     return AttentionShape(
         num_tokens=num_tokens, num_heads=num_heads, head_dim=head_dim, head_dim_pad=_pow2_at_least(head_dim),
         num_kv_heads=num_kv_heads, launch_kv_heads=launch_kv_heads, block_size=block_size,
-        group=num_heads // num_kv_heads, num_seqs=seq_lens.shape[0], scale_log2=float(scale) * _LOG2E,
+        group=num_heads // num_kv_heads, num_seqs=seq_lens.shape[0], scale_log2=scale_arg,
         precision="ieee" if q.dtype == torch.float32 else "tf32", kv_f16=kv_f16,
         dot_fp32=q.dtype == torch.bfloat16 and not q.is_cuda and not kv_f16,
         strides=(q.stride(0), q.stride(1),
                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                 out.stride(0), out.stride(1), block_tables.stride(0)))
+                 out.stride(0), out.stride(1), block_tables.stride(0)),
+        window=sliding_window or 0, soft_cap_log2=soft_cap_log2)
 
 
 def interpreting() -> bool:
     """Whether Triton runs on its CPU interpreter (``TRITON_INTERPRET=1``): compile options such as
     ``maxnreg`` have no meaning there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.triton_interpret()

@@ -9,11 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention_common import (_FP8_DTYPES, _LOG2E, TUNING, _attend_keys, _decode_launch, _dot_queries,
-                               _pow2_at_least, _split_size)
+from .attention_common import (_FP8_DTYPES, TUNING, _attend_keys, _decode_launch, _dot_queries, _pow2_at_least,
+                               _split_size, score_scales)
+from .decode_attention import _first_key
 from .kv_cache import _saturate, _to_cache
 from .pdl import launch_options, pdl_mode, pdl_trigger, pdl_wait
-from .reference import _check_attention_args, _check_rotary_args, _check_write_args
+from .reference import _check_attention_args, _check_rotary_args, _check_write_args, check_window_and_cap
 
 @triton.jit
 def _rotate_half(x_ptrs, partner_ptrs, mask, cos, sin, lo):
@@ -27,12 +28,12 @@ def _rotate_half(x_ptrs, partner_ptrs, mask, cos, sin, lo):
 
 
 # num_splits and the block-table stride as runtime values, as for _decode_kernel.
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["num_splits", "stride_bt", "window"])
 def _rotary_decode_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
     k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window, soft_cap_log2,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cs,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -44,6 +45,7 @@ def _rotary_decode_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr, KV_F16: tl.constexpr, SATURATE: tl.constexpr,
     MERGE_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    WINDOWED: tl.constexpr = False, SOFT_CAP: tl.constexpr = False,
 ):  # fmt: skip
     """`_rotary_write_kv_kernel` + `_decode_kernel` + `_reduce_kernel` in one launch (decode-only
     batches). Program (sequence, kv head, split) rotates its group's queries in registers; the
@@ -52,11 +54,12 @@ def _rotary_decode_kernel(
     every program walks its keys as `_decode_kernel` does. With
     splits, each program stores its partial output and log-sum-exp, then counts itself done on the
     (sequence, kv head)'s counter; the last one to finish merges the partials and resets the
-    counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction)."""
+    counter to 0 (stream-K style fix-up, as in CUTLASS's split-K serial reduction). With a sliding
+    window the splits divide the window's keys only (`_first_key`)."""
     # With PDL (kernels/pdl.py) this kernel waits for the QKV projection only after loading the
     # step's metadata and the rotary table below: no kernel of the step writes them (the metadata is
     # copied before its first kernel). On an H200, 0.9-1.0 us less per layer at 512-16,384 keys
-    # (BENCHMARKS.md, thirteenth session). tests/pdl_order_check.py allows these loads (EARLY_LOADS).
+    # (BENCHMARKS.md). tools/pdl_order_check.py allows these loads (EARLY_LOADS).
     pdl_trigger(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,8 +67,9 @@ def _rotary_decode_kernel(
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    partition_size = _split_size(seq_len, num_splits, BLOCK_N, MIN_SPLIT)
-    kv_start = split * partition_size
+    kv_first = _first_key(seq_len, window, WINDOWED)
+    partition_size = _split_size(seq_len - kv_first, num_splits, BLOCK_N, MIN_SPLIT)
+    kv_start = kv_first + split * partition_size
     if (q_len != 1) | (kv_start >= seq_len):  # q_len 0: a padded sequence
         # Idle. Split 0 waits first, so the grid never completes before the kernel it depends on
         # (kernels/pdl.py's rule; the later splits may skip the wait, split 0 of the grid holds it).
@@ -110,12 +114,13 @@ def _rotary_decode_kernel(
                      _to_cache(v_new, v_cache_ptr, SATURATE), mask=d_ok)
         # The whole program reads the slot below: its writes are visible to the CTA after a barrier.
         # (Taking the new key from registers instead, the loop stopping short of it, measured slower
-        # in the engine: BENCHMARKS.md, thirteenth session.)
+        # in the engine: BENCHMARKS.md.)
         tl.debug_barrier()
     acc, m_i, l_i = _attend_keys(
         q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, d, d_ok,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         BLOCK_G, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, PRECISION, DOT_FP32, False, blk_first, True,
+        soft_cap_log2, SOFT_CAP,
     )  # fmt: skip
     out = acc / l_i[:, None]
     if not SPLIT:
@@ -131,7 +136,7 @@ def _rotary_decode_kernel(
         tl.debug_barrier()
         counter = counter_ptr + seq * NUM_KV_HEADS + kv_head
         done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        num_valid = tl.cdiv(seq_len, partition_size)
+        num_valid = tl.cdiv(seq_len - kv_first, partition_size)
         if done == num_valid - 1:
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
             # Online merge of the partials, MERGE_CHUNK splits at a time ([GROUP_PAD, chunk, dims]).
@@ -203,6 +208,8 @@ def rotary_decode_attention_triton(
     *,
     num_splits: int | None = None,
     launch_kv_heads: int | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Rotary embedding, KV-cache write and decode attention of a decode-only batch in one launch.
 
@@ -226,14 +233,18 @@ def rotary_decode_attention_triton(
             :func:`kvpilot.kernels.reference.paged_attention_ref`; every sequence's query is one token
             (decode) or none (padding), and its new token is the last of its ``seq_lens`` keys.
         num_splits, launch_kv_heads: as for :func:`paged_attention_triton`.
+        sliding_window, logits_soft_cap: as for :func:`kvpilot.kernels.reference.paged_attention_ref`;
+            the splits divide each sequence's last ``sliding_window`` keys only.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``. Rows of tokens no sequence covers are
         unwritten (``torch.empty``), and such tokens' K/V are not written to the cache.
 
     Raises:
-        ValueError: on the shape, stride or ``launch_kv_heads`` errors of the two unfused functions.
+        ValueError: on the shape, stride, ``launch_kv_heads``, ``sliding_window`` or
+            ``logits_soft_cap`` errors of the two unfused functions.
     """
+    sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
     _check_rotary_args(q, k, positions, cos_sin_cache)
     _check_write_args(k, v, k_cache, v_cache, slot_mapping)
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
@@ -258,7 +269,8 @@ def rotary_decode_attention_triton(
     head_dim_pad = _pow2_at_least(head_dim)
     kv_f16 = k_cache.dtype in _FP8_DTYPES and q.dtype in (torch.bfloat16, torch.float16)
     cfg = TUNING["decode"]
-    splits, _, block_n, min_split = _decode_launch(num_seqs, launch_kv_heads, max_seq_len, head_dim_pad, q.device,
+    keys_bound = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
+    splits, _, block_n, min_split = _decode_launch(num_seqs, launch_kv_heads, keys_bound, head_dim_pad, q.device,
                                                    num_splits)
     if num_splits is None:
         splits = min(splits, cfg["fused_max_splits"])
@@ -270,11 +282,12 @@ def rotary_decode_attention_triton(
     else:
         part_out = part_lse = counters = out  # unused
     pdl = pdl_mode(q.device, num_seqs)
+    scale_arg, soft_cap_log2 = score_scales(scale, logits_soft_cap)
     _rotary_decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, k, v, positions, cos_sin_cache, slot_mapping,
         k_cache, v_cache, out, part_out, part_lse, counters,
         block_tables, seq_lens, query_start_loc,
-        float(scale) * _LOG2E, splits,
+        scale_arg, splits, sliding_window or 0, soft_cap_log2,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -288,8 +301,8 @@ def rotary_decode_attention_triton(
         SATURATE=_saturate(k_cache),
         # Splits merged per step: [GROUP_PAD, chunk, HEAD_DIM_PAD] fp32 in registers.
         MERGE_CHUNK=max(1, min(triton.next_power_of_2(splits), cfg["fused_merge_rows"] // group_pad)),
-        USE_PDL=pdl > 0, **launch_options(pdl),
-        num_warps=cfg["fused_num_warps" if max_seq_len <= cfg["fused_long_keys"] else "fused_num_warps_long"],
+        USE_PDL=pdl > 0, WINDOWED=bool(sliding_window), SOFT_CAP=logits_soft_cap is not None, **launch_options(pdl),
+        num_warps=cfg["fused_num_warps" if keys_bound <= cfg["fused_long_keys"] else "fused_num_warps_long"],
         num_stages=cfg["num_stages"],
     )  # fmt: skip
     return out

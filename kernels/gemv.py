@@ -8,6 +8,9 @@ the norm and the activation into the product that consumes them:
 - ``rmsnorm_gemv(x, residual, norm_weight, eps, W)``: ``h = x + residual``,
   ``y = (RMSNorm(h) * norm_weight) @ W.T``; returns ``(y, h)`` (``y`` alone without a residual).
 - ``silu_mul_gemv(gate_up, W)``: ``y = (silu(gate) * up) @ W.T``, gate_up = ``[gate | up]``.
+- ``gelu_tanh_mul_gemv(gate_up, W)``: ``y = (gelu_tanh(gate) * up) @ W.T`` (GeGLU, Gemma); the SiLU
+  op's kernel with another prologue, and its launch table and ``FUSED_MAX_ROWS["silu"]`` (the same
+  bytes move; not measured separately).
 - ``gemv(x, W)``: ``y = x @ W.T``.
 
 ``W`` is an ``nn.Linear`` weight, ``[N, K]`` row-major; every op takes an optional ``bias`` ``[N]``.
@@ -58,13 +61,16 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .reference import rms_norm_ref, silu_and_mul_ref
+from .reference import gelu_tanh_and_mul_ref, rms_norm_ref, silu_and_mul_ref
+
+from kvpilot import envs
 
 try:  # the references and dispatchers work without Triton
     import triton
     import triton.language as tl
 
     from .pdl import launch_options, pdl_mode, pdl_trigger, pdl_wait
+    from .pointwise import _gelu_tanh
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 try:  # host-side TMA descriptors (Triton >= 3.3); without them "tma" rows fall back to the next row
@@ -86,13 +92,17 @@ __all__ = [
     "silu_mul_gemv",
     "silu_mul_gemv_ref",
     "silu_mul_gemv_triton",
+    "gelu_tanh_mul_gemv",
+    "gelu_tanh_mul_gemv_ref",
+    "gelu_tanh_mul_gemv_triton",
 ]
 
 MAX_TRITON_ROWS = 16
 """The ``*_triton`` functions take at most this many rows (tokens); the launch tables end here."""
 
-_PLAIN, _RMSNORM, _SILU = 0, 1, 2
-_PROLOGUE_NAMES = {_PLAIN: "plain", _RMSNORM: "rmsnorm", _SILU: "silu"}
+_PLAIN, _RMSNORM, _SILU, _GELU = 0, 1, 2, 3
+# Launch-table names (CONFIGS, FUSED_MAX_ROWS): GELU-and-mul takes SiLU-and-mul's.
+_PROLOGUE_NAMES = {_PLAIN: "plain", _RMSNORM: "rmsnorm", _SILU: "silu", _GELU: "silu"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,10 +117,11 @@ def _check_linear(a_cols: int, weight: torch.Tensor, bias: torch.Tensor | None, 
         raise ValueError(f"{name}: bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
 
 
-def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                name: str = "silu_mul_gemv") -> None:
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"silu_mul_gemv: gate_up must be [M, 2 * I] (gate|up), got {tuple(gate_up.shape)}")
-    _check_linear(gate_up.shape[1] // 2, weight, bias, "silu_mul_gemv")
+        raise ValueError(f"{name}: gate_up must be [M, 2 * I] (gate|up), got {tuple(gate_up.shape)}")
+    _check_linear(gate_up.shape[1] // 2, weight, bias, name)
 
 
 def _check_out_dtype(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
@@ -206,6 +217,16 @@ def silu_mul_gemv_ref(
     return _linear(silu_and_mul_ref(gate_up), weight, bias, out_dtype)
 
 
+def gelu_tanh_mul_gemv_ref(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``F.linear(gelu_tanh_and_mul_ref(gate_up), weight, bias)``; shapes, ``out_dtype`` and errors as
+    :func:`silu_mul_gemv_ref`."""
+    _check_silu(gate_up, weight, bias, "gelu_tanh_mul_gemv")
+    return _linear(gelu_tanh_and_mul_ref(gate_up), weight, bias, out_dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Launch configurations
 # ---------------------------------------------------------------------------------------------
@@ -278,17 +299,17 @@ NORM_ONE_LOAD_MAX = 4096
 """Largest ``block_m * next_pow2(K)`` for the one-load RMSNorm pass (``launch_config``), which also
 gates ``early_weight``: measured at K = 4096 (Llama-3.1-8B). Above it ptxas needs more registers
 than the launch table's programs per SM allow (K = 16384: 164 for the ``vec`` row, 250 for gate/up's,
-from a CPU compile for sm_90; tests/test_review_session8.py), so larger hidden sizes keep the
+from a CPU compile for sm_90; tests/kernels/test_gemv_batch_one.py), so larger hidden sizes keep the
 K-tile loop until measured."""
 
 
 _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
-# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/gpu_gemv.py --sweep
+# N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/lab/gpu_gemv.py --sweep
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
-# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/gpu_gemv_tma.py)
+# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
 # 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
-# (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
+# (bf16 or FP8 KV cache; BENCHMARKS.md). A "tma" row would keep an fma row behind it
 # for the weights and devices TMA cannot serve.
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
@@ -375,6 +396,10 @@ if triton is not None:
             gf = g.to(tl.float32)
             u = _load(xp + K, k_ok, EVEN_K).to(tl.float32)
             a = (gf * tl.sigmoid(gf) * u).to(g.dtype)
+        elif PROLOGUE == 3:  # GELU-tanh(gate) * up, laid out as for SiLU
+            g = _load(xp, k_ok, EVEN_K)
+            u = _load(xp + K, k_ok, EVEN_K).to(tl.float32)
+            a = (_gelu_tanh(g.to(tl.float32)) * u).to(g.dtype)
         elif PROLOGUE == 1:  # RMSNorm of h = x (+ residual), times the norm weight
             h = _load(xp, k_ok, EVEN_K)
             if HAS_RESIDUAL:
@@ -400,6 +425,10 @@ if triton is not None:
             gf = g.to(tl.float32)
             u = _load(xp + K, ok, EVEN_K).to(tl.float32)
             a = (gf * tl.sigmoid(gf) * u).to(g.dtype)
+        elif PROLOGUE == 3:
+            g = _load(xp, ok, EVEN_K)
+            u = _load(xp + K, ok, EVEN_K).to(tl.float32)
+            a = (_gelu_tanh(g.to(tl.float32)) * u).to(g.dtype)
         elif PROLOGUE == 1:
             h = _load(xp, ok, EVEN_K)
             if HAS_RESIDUAL:
@@ -509,7 +538,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
-        # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
+        # (``PDL`` is the calling kernel's USE_PDL; tools/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
         # first K tile of weights, already loaded. The next kernel is let in when a program starts
         # its last tile.
@@ -665,7 +694,7 @@ def tma_enabled() -> bool:
 def _tma_device(device: torch.device) -> bool:
     # TMA is sm_90+ (Hopper); the CPU interpreter emulates tensor descriptors.
     if device.type != "cuda":
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return envs.triton_interpret()
     if torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -746,7 +775,7 @@ def _launch(
         return y, h
     tiles = triton.cdiv(n, cfg["block_n"])
     grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = envs.triton_interpret()
     pdl = pdl_mode(x.device, m)
     norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM and cfg.get("norm_one_load") else 0
     if norm_pad * cfg["block_m"] > NORM_ONE_LOAD_MAX:
@@ -848,6 +877,16 @@ def silu_mul_gemv_triton(
     return _launch(_SILU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype)[0]
 
 
+def gelu_tanh_mul_gemv_triton(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Triton version of :func:`gelu_tanh_mul_gemv_ref` (contract and errors as
+    :func:`silu_mul_gemv_triton`; SiLU's launch table)."""
+    _check_silu(gate_up, weight, bias, "gelu_tanh_mul_gemv")
+    return _launch(_GELU, gate_up, gate_up.shape[1] // 2, weight, bias, config=config, out_dtype=out_dtype)[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatchers
 # ---------------------------------------------------------------------------------------------
@@ -918,3 +957,21 @@ def silu_mul_gemv(
         return silu_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype)
     _check_silu(gate_up, weight, bias)
     return _unfused_silu_mul_gemv(gate_up, weight, bias, out_dtype)
+
+
+def gelu_tanh_mul_gemv(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """GELU(tanh)-and-mul + linear (Gemma's MLP down projection): one Triton launch for CUDA inputs of
+    at most ``FUSED_MAX_ROWS["silu"]`` rows; otherwise :func:`kvpilot.kernels.gelu_tanh_and_mul`
+    followed by ``F.linear`` (``torch.mm`` with ``out_dtype`` float32).
+
+    See :func:`gelu_tanh_mul_gemv_ref` for shapes, ``out_dtype`` and errors.
+    """
+    if _use_triton(gate_up, "silu"):
+        return gelu_tanh_mul_gemv_triton(gate_up, weight, bias, out_dtype=out_dtype)
+    from . import gelu_tanh_and_mul
+
+    _check_silu(gate_up, weight, bias, "gelu_tanh_mul_gemv")
+    return _linear(gelu_tanh_and_mul(gate_up), weight, bias, out_dtype)

@@ -1,4 +1,5 @@
-"""Triton row-wise kernels: fused RMSNorm (+residual add), rotary embedding, SiLU-and-multiply.
+"""Triton row-wise kernels: fused RMSNorm (+residual add), rotary embedding, SiLU-and-multiply,
+GELU(tanh)-and-multiply.
 
 Each program handles one token row; all math is fp32 and results are rounded to the input dtype at
 the same points as the references in ``reference.py`` (so fp32 results match to rounding).
@@ -169,6 +170,16 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: if the last dimension is odd.
     """
+    return _gated(_silu_and_mul_kernel, x)
+
+
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor:
+    """``kernel(gate) * up`` of ``x`` ``[..., 2 * d]`` (gate|up) -> ``[..., d]`` in ``x.dtype``: one
+    program per (row, BLOCK columns).
+
+    Raises:
+        ValueError: if the last dimension is odd.
+    """
     if x.shape[-1] % 2:
         raise ValueError(f"last dimension must be even (gate|up), got {x.shape[-1]}")
     d = x.shape[-1] // 2
@@ -178,7 +189,38 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=4 if block >= 512 else 1
         )
     return out.reshape(*x.shape[:-1], d)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """GELU, tanh approximation, of fp32 ``x``: ``0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 *
+    x**3)))`` (PyTorch's ``F.gelu(approximate="tanh")``). tanh as ``1 - 2 / (exp(2u) + 1)`` of ``u``
+    clamped to +-15 (tanh(15) is 1 in fp32)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    u = tl.minimum(tl.maximum(u, -15.0), 15.0)
+    t = 1.0 - 2.0 / (tl.exp2(u * (2.0 * 1.4426950408889634)) + 1.0)
+    return 0.5 * x * (1.0 + t)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, D: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (_gelu_tanh(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    """Triton version of :func:`kvpilot.kernels.reference.gelu_tanh_and_mul_ref` (same contract; the
+    launch of `silu_and_mul_triton`).
+
+    Raises:
+        ValueError: if the last dimension is odd.
+    """
+    return _gated(_gelu_tanh_and_mul_kernel, x)

@@ -7,7 +7,8 @@ from shapes (`prefill_max_tiles`), so one launch serves any batch of the same pa
 graphs of prefill and mixed steps replay it, and programs past the last tile exit at once. The rows
 of a tile are (query, head-in-group) pairs, so the query heads that share a kv head read each K/V
 tile once. Flash-attention online softmax over the cache, gathered page by page through the block
-table, with the causal limit of the tile's last query. Small steps split each tile's context
+table, with the causal limit of the tile's last query (and, with a sliding window, from the first
+key the tile's first query sees). Small steps split each tile's context
 (`prefill_num_splits`), merged by ``_prefill_reduce_kernel``. In a step of several sequences the
 one-token (decode) rows are left to the decode kernel (``TUNING["prefill"]["decode_rows_to_decode_kernel"]``).
 """
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import attention_common
-from .attention_common import TUNING, AttentionShape
+from .attention_common import TUNING, AttentionShape, _soft_cap
 
 # Sequences per step of the prefill kernel's tile lookup (it scans query_start_loc in chunks): one
 # step for the default 256-sequence batches, so programs past the last tile exit after one load.
@@ -51,11 +52,11 @@ def _prefill_tile(qsl_ptr, num_seqs, t, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.con
     return seq, t - before, total
 
 
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     block_tables_ptr, seq_lens_ptr, qsl_ptr,
-    scale_log2, num_seqs,
+    scale_log2, num_seqs, window, soft_cap_log2,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -65,7 +66,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, KV_F16: tl.constexpr,
     SEQ_CHUNK: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SKIP_DECODE: tl.constexpr,
+    SKIP_DECODE: tl.constexpr, WINDOWED: tl.constexpr = False, SOFT_CAP: tl.constexpr = False,
 ):  # fmt: skip
     # Programs walk the tile list backwards: the last tiles of a sequence see the most keys, and
     # starting them first shortens the tail of the launch. Programs past the last tile exit first.
@@ -104,12 +105,16 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     # The tile's last query bounds the keys any of its rows may see.
     kv_end = tl.minimum(seq_len, ctx_len + (q_tile + 1) * BLOCK_Q)
+    # With a sliding window the tile's first query bounds the first key any of its rows may see.
+    kv_begin = 0
+    if WINDOWED:
+        kv_begin = tl.maximum(ctx_len + q_tile * BLOCK_Q - window + 1, 0)
     if NUM_SPLITS == 1:
-        kv_lo = 0
+        kv_lo = kv_begin
         kv_hi = kv_end
-    else:  # split `split` of the context, in whole BLOCK_N tiles
-        per = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        kv_lo = tl.program_id(2) * per
+    else:  # split `split` of the tile's keys, in whole BLOCK_N tiles
+        per = tl.cdiv(tl.cdiv(kv_end - kv_begin, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        kv_lo = kv_begin + tl.program_id(2) * per
         kv_hi = tl.minimum(kv_end, kv_lo + per)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -128,7 +133,11 @@ def _prefill_kernel(
         else:  # an FP8 cache: dot in the queries' dtype (a no-op for 16-bit caches)
             k = k.to(q.dtype)
         s = tl.dot(q, k, input_precision=PRECISION) * scale_log2
+        if SOFT_CAP:
+            s = _soft_cap(s, soft_cap_log2)
         allowed = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if WINDOWED:
+            allowed = allowed & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows with nothing visible yet (padding rows) keep m = -inf; shift by 0 to avoid NaN.
@@ -179,7 +188,7 @@ def _prefill_reduce_kernel(
     sp = tl.arange(0, SPLITS_PAD)
     row = (token * NUM_HEADS + head) * NUM_SPLITS + sp
     lse = tl.load(part_lse_ptr + row, mask=sp < NUM_SPLITS, other=float("-inf"))
-    ok = lse > float("-inf")  # split 0 always holds key 0, so a real row has one
+    ok = lse > float("-inf")  # a real row sees itself, so one of its splits has a key
     w = tl.where(ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     w = w / tl.sum(w, 0)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -249,11 +258,12 @@ def launch_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         part_out = part_lse = out  # unused
     _prefill_kernel[(tiles, S.num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, seq_lens, query_start_loc,
-        S.scale_log2, S.num_seqs, *S.strides,
+        S.scale_log2, S.num_seqs, S.window, S.soft_cap_log2, *S.strides,
         GROUP=S.group, HEAD_DIM=S.head_dim, HEAD_DIM_PAD=S.head_dim_pad, BLOCK_SIZE=S.block_size,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=S.precision,
         DOT_FP32=S.dot_fp32, KV_F16=S.kv_f16,
         SEQ_CHUNK=_SEQ_CHUNK, NUM_HEADS=S.num_heads, NUM_SPLITS=splits, SKIP_DECODE=split_decode,
+        WINDOWED=S.window > 0, SOFT_CAP=S.soft_cap_log2 > 0,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if splits > 1:

@@ -30,6 +30,8 @@ __all__ = [
     "rotary_write_kv_cache_ref",
     "build_rope_cache",
     "silu_and_mul_ref",
+    "gelu_tanh_and_mul_ref",
+    "check_window_and_cap",
 ]
 
 
@@ -120,12 +122,14 @@ def _gather_kv(
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Masked GQA attention in fp32.
 
     q: [S, Lq, H, D]; k, v: [S, Lk, Hkv, D]; allowed: [S, Lq, Lk] bool. Returns [S, Lq, H, D] fp32.
-    Every query row must allow at least one key.
+    Every query row must allow at least one key. ``logits_soft_cap`` ``c``: scores become
+    ``c * tanh(scores / c)`` after the scale, before the mask (Gemma 2).
     """
     s, lq, h, d = q.shape
     hkv = k.shape[2]
@@ -137,6 +141,8 @@ def _attend(
     kf = torch.where(key_ok, k.float(), 0.0)
     vf = torch.where(key_ok, v.float(), 0.0)
     scores = torch.einsum("sqhgd,skhd->shgqk", qf, kf) * scale
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("shgqk,skhd->sqhgd", probs, vf)
@@ -153,6 +159,9 @@ def paged_attention_ref(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    *,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of ragged queries over a paged KV cache (mixed prefill chunks and decodes).
 
@@ -165,9 +174,17 @@ def paged_attention_ref(
         query_start_loc: ``[num_seqs + 1]`` int32, cumulative query lengths.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         max_query_len, max_seq_len: host-side upper bounds of the query and context lengths.
+        sliding_window: ``None`` (full causal attention) or ``W >= 1``: a query at position ``p``
+            attends only keys at positions ``p - W < pos <= p`` (``W`` keys, itself included).
+            This is the Hugging Face convention (``transformers.masking_utils.sliding_window_overlay``:
+            ``kv_idx > q_idx - sliding_window``) that Mistral, Qwen2, Gemma 2 and Gemma 3 configs'
+            ``sliding_window`` follows.
+        logits_soft_cap: ``None`` or ``c > 0``: scores (after ``scale``) become
+            ``c * tanh(score / c)`` before the softmax (Gemma 2's ``attn_logit_softcapping``).
 
     Query ``j`` of sequence ``i`` (``q_len = qsl[i+1] - qsl[i]``) sits at position
-    ``seq_lens[i] - q_len + j`` and attends to cache positions ``0..position`` (inclusive). Query head
+    ``seq_lens[i] - q_len + j`` and attends to cache positions ``0..position`` (inclusive; with a
+    sliding window ``W``, ``position - W + 1..position``). Query head
     ``h`` reads kv head ``h // (num_heads // num_kv_heads)`` (GQA). Rows of tokens not covered by
     any sequence (``t >= qsl[-1]``, e.g. CUDA-graph padding) are unspecified: this reference writes
     zeros, the Triton kernels leave them unwritten (any value, NaN included).
@@ -177,13 +194,15 @@ def paged_attention_ref(
 
     Raises:
         ValueError: on inconsistent shapes, ``num_heads % num_kv_heads != 0``, a sequence whose
-            ``q_len`` exceeds its ``seq_len``, or lengths above the given bounds.
+            ``q_len`` exceeds its ``seq_len``, lengths above the given bounds, or a
+            ``sliding_window``/``logits_soft_cap`` that is not positive (`check_window_and_cap`).
 
     Decodes (``q_len == 1``) are batched in one padded gather; longer queries (prefill chunks,
     a handful per step) are done one sequence at a time so that padding never scales with the
     longest prefill.
     """
     _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    sliding_window, logits_soft_cap = check_window_and_cap(sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_dim = q.shape
     out = torch.zeros_like(q)
     qsl = query_start_loc.tolist()
@@ -208,9 +227,12 @@ def paged_attention_ref(
         k = _gather_kv(k_cache, block_tables, idx, ctx)
         v = _gather_kv(v_cache, block_tables, idx, ctx)
         sl = seq_lens.to(device)[idx].long()
-        allowed = (torch.arange(ctx, device=device)[None, :] < sl[:, None])[:, None, :]
+        pos = torch.arange(ctx, device=device)[None, :]
+        allowed = pos < sl[:, None]
+        if sliding_window is not None:
+            allowed &= pos >= sl[:, None] - sliding_window
         tok = query_start_loc.to(device)[idx].long()
-        o = _attend(q[tok][:, None], k, v, allowed, scale)
+        o = _attend(q[tok][:, None], k, v, allowed[:, None, :], scale, logits_soft_cap)
         out[tok] = o[:, 0].to(q.dtype)
 
     for i, (ql, sl) in enumerate(zip(q_lens, lens)):
@@ -220,10 +242,33 @@ def paged_attention_ref(
         k = _gather_kv(k_cache, block_tables, idx, sl)
         v = _gather_kv(v_cache, block_tables, idx, sl)
         qpos = torch.arange(sl - ql, sl, device=device)
-        allowed = (torch.arange(sl, device=device)[None, :] <= qpos[:, None])[None]
-        o = _attend(q[qsl[i] : qsl[i + 1]][None], k, v, allowed, scale)
+        kpos = torch.arange(sl, device=device)[None, :]
+        allowed = kpos <= qpos[:, None]
+        if sliding_window is not None:
+            allowed &= kpos > qpos[:, None] - sliding_window
+        o = _attend(q[qsl[i] : qsl[i + 1]][None], k, v, allowed[None], scale, logits_soft_cap)
         out[qsl[i] : qsl[i + 1]] = o[0].to(q.dtype)
     return out
+
+
+def check_window_and_cap(sliding_window, logits_soft_cap) -> tuple[int | None, float | None]:
+    """Validate the ``sliding_window`` and ``logits_soft_cap`` arguments of the attention ops.
+
+    Returns them as ``(int | None, float | None)``.
+
+    Raises:
+        ValueError: ``sliding_window`` is not ``None`` or an int >= 1, or ``logits_soft_cap`` is not
+            ``None`` or a finite number > 0.
+    """
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if logits_soft_cap is not None:
+        ok = isinstance(logits_soft_cap, (int, float)) and not isinstance(logits_soft_cap, bool)
+        if not ok or not math.isfinite(logits_soft_cap) or logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be None or a finite number > 0, got {logits_soft_cap!r}")
+        logits_soft_cap = float(logits_soft_cap)
+    return sliding_window, logits_soft_cap
 
 
 def _check_attention_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc) -> None:
@@ -471,3 +516,27 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     xf = x.float()
     return (F.silu(xf[..., :d]) * xf[..., d:]).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU activation with the tanh approximation of GELU: ``gelu_tanh(gate) * up``.
+
+    ``gelu_tanh(x) = 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))``, PyTorch's
+    ``F.gelu(x, approximate="tanh")`` and transformers' ``gelu_pytorch_tanh`` (Gemma's
+    ``hidden_activation``).
+
+    Args:
+        x: ``[..., 2 * d]`` with the gate projection in the first half and up in the second (the
+            layout of a merged gate_up projection, as for :func:`silu_and_mul_ref`).
+
+    Returns:
+        ``[..., d]`` in ``x.dtype``, computed in fp32.
+
+    Raises:
+        ValueError: if the last dimension is odd.
+    """
+    if x.shape[-1] % 2:
+        raise ValueError(f"last dimension must be even (gate|up), got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    xf = x.float()
+    return (F.gelu(xf[..., :d], approximate="tanh") * xf[..., d:]).to(x.dtype)

@@ -72,6 +72,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot import envs
+
 try:  # exp must round like torch's (CUDA expf); tl.exp is the fast approximation
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - old Triton
@@ -955,7 +957,7 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
     NS = triton.cdiv(V, chunk)
     SP = _pow2(NS)
     wcap = cfg["wcap"]
-    precise = dev.type == "cuda" and libdevice is not None and os.environ.get("TRITON_INTERPRET") != "1"
+    precise = dev.type == "cuda" and libdevice is not None and not envs.triton_interpret()
     stride = logits.stride(0)
     out = torch.empty(S, dtype=torch.int64, device=dev)
     P = plain_rows.numel()
@@ -1134,7 +1136,7 @@ def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     """``torch.argmax(logits, dim=-1)`` in two launches that spread each row over many programs.
 
     PyTorch's reduction gave a batch-1 row of 128,256 float32 logits to few programs: 27 us on an
-    H200 inside the decode step (BENCHMARKS.md, twelfth session). Here ``CONFIG["chunk"]`` columns per
+    H200 inside the decode step (BENCHMARKS.md). Here ``CONFIG["chunk"]`` columns per
     program (32 programs per row at 128k), then one program per row reduces the chunks.
     Same result as ``torch.argmax``: the first NaN of a row if it has one, else the first maximum.
 

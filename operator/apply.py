@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+from kvpilot import envs
 from .crd import API_VERSION, KIND, PLURAL
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ def load_configuration() -> Any:
         config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException:
         # The package reads $KUBECONFIG once, at import; read it now instead.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=configuration)
+        config.load_kube_config(config_file=envs.external("KUBECONFIG"), client_configuration=configuration)
     return configuration
 
 

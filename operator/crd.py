@@ -18,12 +18,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
+
+from kvpilot import envs
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,7 @@ def crd_path() -> Path:
     Raises:
         FileNotFoundError: when neither exists.
     """
-    env = os.environ.get(CRD_PATH_ENV)
-    path = Path(env) if env else _REPO_CRD
+    path = envs.crd_path() or _REPO_CRD
     if not path.is_file():
         raise FileNotFoundError(f"LLMDeployment CRD not found at {path}; set ${CRD_PATH_ENV} to crds/{CRD_FILENAME}")
     return path

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 @dataclass
 class ModelConfig:
-    """The parts of a Hugging Face Llama-architecture `config.json` the engine uses."""
+    """The parts of a Hugging Face `config.json` every family uses (the rest: ``raw``)."""
 
     vocab_size: int
     hidden_size: int
@@ -29,28 +29,28 @@ class ModelConfig:
     eos_token_ids: list[int]
     attention_bias: bool = False
     mlp_bias: bool = False
+    architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
-    SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-
     @classmethod
-    def from_dir(cls, model_dir: Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: Path, trust_remote_code: bool = False) -> "ModelConfig":
         """Read ``config.json`` (and ``generation_config.json`` for the stop ids) from a model directory.
+
+        Family-specific keys (sliding windows, soft caps, layer types, rope parameters per layer
+        type, ...) stay in ``raw`` for the family's `kvpilot.model.decoder.FamilySpec`.
 
         Raises:
             FileNotFoundError: no config.json.
-            ValueError: an architecture other than Llama/Mistral.
+            kvpilot.model.registry.UnsupportedArchitectureError: an architecture kvpilot does not
+                run (the message lists the supported ones) or one that needs remote code.
         """
+        from kvpilot.model.registry import resolve_architecture
+
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
         cfg = json.loads(path.read_text())
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        if not any(a in cls.SUPPORTED_ARCHITECTURES for a in archs):
-            raise ValueError(f"unsupported architecture {archs}; kvpilot runs {', '.join(cls.SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
-            raise ValueError(f"{model_dir}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
-                             f"supported; kvpilot's attention is full-context")
+        arch = resolve_architecture(cfg, trust_remote_code, str(model_dir))
         heads = cfg["num_attention_heads"]
         eos = _as_list(cfg.get("eos_token_id"))
         gen_path = Path(model_dir) / "generation_config.json"
@@ -83,6 +83,7 @@ class ModelConfig:
             eos_token_ids=eos,
             attention_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            architecture=arch,
             raw=cfg,
         )
 
@@ -91,3 +92,42 @@ def _as_list(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+#: generation_config.json keys applied as sampling defaults, and their SamplingParams names
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                           "repetition_penalty": "repetition_penalty", "min_p": "min_p"}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A checkpoint's recommended sampling settings (``generation_config.json``), applied to a request
+    field the request leaves unset, as vLLM's ``--generation-config auto`` does.
+
+    ``values`` maps `kvpilot.SamplingParams` field names to the file's values (only the keys of
+    `GENERATION_DEFAULT_KEYS` that the file sets); the end-of-sequence ids of the file are merged
+    into `ModelConfig.eos_token_ids` instead.
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "GenerationDefaults":
+        """Read ``generation_config.json`` (none: no defaults).
+
+        Raises:
+            ValueError: the file is not a JSON object.
+        """
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        gen = json.loads(path.read_text())
+        if not isinstance(gen, dict):
+            raise ValueError(f"{path} must hold a JSON object")
+        return cls({ours: gen[theirs] for theirs, ours in GENERATION_DEFAULT_KEYS.items() if gen.get(theirs) is not None})
+
+    def describe(self) -> str:
+        """One line for the start-up log: which defaults apply."""
+        if not self.values:
+            return "none (generation_config.json sets no sampling defaults)"
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.values.items()))

@@ -1,5 +1,6 @@
 """Layers every model family shares: batch metadata, the tensor-parallel context, RMSNorm, the
-vocabulary-parallel embedding.
+vocabulary-parallel embedding. Linear layers: `kvpilot.model.linear`; attention:
+`kvpilot.model.attention`; MLPs: `kvpilot.model.mlp`; rotary tables: `kvpilot.model.rotary`.
 
 Shapes: the batch is *ragged*: all scheduled tokens of all sequences are concatenated into one
 ``[num_tokens]`` stream; hidden states are ``[num_tokens, hidden_size]``.
@@ -113,13 +114,24 @@ class ParallelContext:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float) -> None:
+    """RMSNorm over the last dimension: ``x / rms(x) * w`` (+ fused residual add: see
+    `kvpilot.kernels.rms_norm`). ``weight_offset`` 1.0 is Gemma's ``x / rms(x) * (1 + w)``: the
+    checkpoint stores ``w`` and `process_weights_after_loading` adds the offset once, so the same
+    kernels run (in float32 the product is exactly transformers' ``1.0 + w.float()``)."""
+
+    def __init__(self, hidden: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         return K.rms_norm(x, self.weight, self.eps, residual)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        if self.weight_offset:
+            self.weight.add_(self.weight_offset)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,8 +1,14 @@
-"""Load Hugging Face safetensors checkpoints (single file or sharded) into `LlamaForCausalLM`.
+"""Load Hugging Face safetensors checkpoints (single file or sharded) into a `kvpilot.model.decoder.CausalLM`.
 
 Each rank reads only its shard of each tensor (``safe_open(...).get_slice``), straight onto the
 target device. Hugging Face names map onto kvpilot's fused projections: q/k/v -> ``qkv_proj``,
-gate/up -> ``gate_up_proj``.
+gate/up -> ``gate_up_proj``. A family with fused checkpoint tensors (Phi-3's ``qkv_proj`` and
+``gate_up_proj``) splits them into those names first (`FamilySpec.split_checkpoint_tensor`). Every
+projection tensor ``<proj>.<suffix>`` goes to the layer parameter of that suffix (``weight``,
+``bias``, or what a quantization method registers, e.g. a per-row ``weight_scale``), sliced as the
+weight is. Norm weights (input, post-attention, Gemma's pre/post feed-forward, q/k norms) are
+replicated. After the last tensor, every module's ``process_weights_after_loading`` runs once
+(quantization repacking, Gemma's ``1 + w`` norms).
 
 Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
 holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
@@ -25,7 +31,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvpilot.model.llama import LlamaForCausalLM
+from torch import nn
+
+from kvpilot.model.linear import kv_heads_of as _kv_heads_of
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +57,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _kv_heads_of(num_kv_heads: int, rank: int, tp: int) -> tuple[int, int]:
-    """First KV head and count held by rank ``rank`` of ``tp`` (replicated when tp > num_kv_heads)."""
-    per_rank = max(1, num_kv_heads // tp)
-    if tp <= num_kv_heads:
-        return rank * per_rank, per_rank
-    return rank // (tp // num_kv_heads), 1
-
-
-def _shard_targets(model: LlamaForCausalLM) -> list[tuple[int, int, dict[str, str]]]:
+def _shard_targets(model: nn.Module) -> list[tuple[int, int, dict[str, str]]]:
     """``(rank, tp, names)`` per weight shard this model holds: the rank of a TP-``tp`` group whose
     slices it loads, and the (layer-relative) names of the parameters they go to. One entry (this
     rank of its group) for the default model; one per shard ``first + j`` of a TP-``T`` group in
@@ -73,7 +73,7 @@ def _shard_targets(model: LlamaForCausalLM) -> list[tuple[int, int, dict[str, st
 
 
 @torch.no_grad()
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy the checkpoint's tensors (this rank's shard of them) into ``model``'s parameters.
 
     Raises:
@@ -88,9 +88,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
     down_bias = "mlp.down_bias" if model.invariant_shards else "mlp.down_proj.bias"
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    spec = getattr(model, "spec", None)
+    split = spec.split_checkpoint_tensor if spec is not None else (lambda rest, sl: [(rest, sl)])
     device = next(model.parameters()).device
 
     def put(name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+        if name not in params:
+            raise KeyError(f"checkpoint {_model_dir(model)} has a tensor for {name}, which the "
+                           f"{type(model).__name__} model does not have (a config/checkpoint mismatch)")
         p = params[name]
         target = p if rows is None else p[rows]
         if tuple(target.shape) != tuple(tensor.shape):
@@ -128,11 +133,15 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 slice(off, off + kv_count * hd))
         elif rest == "self_attn.o_proj.weight":
             put(prefix + names["o"], sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
+        elif rest.startswith("self_attn.o_proj.") and prefix + names["o"].replace(".weight", f".{kind}") in params:
+            put(prefix + names["o"].replace(".weight", f".{kind}"), sl[:])  # e.g. a per-tensor scale
         elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
             off = 0 if ".gate_proj." in rest else inter
             put(prefix + f"{names['gate_up']}.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
         elif rest == "mlp.down_proj.weight":
             put(prefix + names["down"], sl[:, r * inter:(r + 1) * inter])
+        elif rest.startswith("mlp.down_proj.") and prefix + names["down"].replace(".weight", f".{kind}") in params:
+            put(prefix + names["down"].replace(".weight", f".{kind}"), sl[:])
 
     for path in safetensors_files(_model_dir(model)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -159,21 +168,27 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
                 if not start <= i < end:
                     continue
                 prefix = f"layers.{i - start}."
-                kind = rest.rsplit(".", 1)[-1]  # weight or bias
-                if rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
-                    put(prefix + o_bias, sl[:])
-                elif rest == "mlp.down_proj.bias":
-                    put(prefix + down_bias, sl[:])
-                elif rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                    put(prefix + rest, sl[:])
-                else:
-                    for r, tp, names in targets:
-                        layer_tensor(prefix, rest, kind, sl, r, tp, names)
+                for rest, sl in split(rest, sl):
+                    kind = rest.rsplit(".", 1)[-1]  # weight or bias
+                    if rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
+                        put(prefix + o_bias, sl[:])
+                    elif rest == "mlp.down_proj.bias":
+                        put(prefix + down_bias, sl[:])
+                    elif rest.endswith("norm.weight"):  # replicated norms (the model may lack some: KeyError)
+                        put(prefix + rest, sl[:])
+                    else:
+                        for r, tp, names in targets:
+                            layer_tensor(prefix, rest, kind, sl, r, tp, names)
     missing = [n for n in params if n not in loaded]
+    if not missing:
+        for module in model.modules():
+            hook = getattr(module, "process_weights_after_loading", None)
+            if hook is not None:
+                hook()
     if missing:
         raise KeyError(f"checkpoint {_model_dir(model)} lacks tensors for {missing[:8]}"
                        f"{' ...' if len(missing) > 8 else ''}")
 
 
-def _model_dir(model: LlamaForCausalLM) -> Path:
+def _model_dir(model: nn.Module) -> Path:
     return Path(model.cfg.raw["_model_dir"])

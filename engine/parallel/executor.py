@@ -52,6 +52,7 @@ from typing import Mapping, Optional
 import torch
 
 from kvpilot.outputs import EngineDeadError
+from kvpilot import envs
 from kvpilot.config import KvCacheConfig
 
 from kvpilot.model.config import ModelConfig
@@ -98,7 +99,7 @@ class LwsGroup:
         Raises:
             ValueError: ``LWS_GROUP_SIZE`` > 1 without ``LWS_LEADER_ADDRESS``, or non-integer values.
         """
-        env = os.environ if env is None else env
+        env = envs.external_environ() if env is None else env
         size = int(env.get("LWS_GROUP_SIZE") or 1)
         if size <= 1:
             return None
@@ -903,7 +904,7 @@ class MultiprocExecutor:
 def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    max_batch_size: int = 256, max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                    kv_cache_config: Optional[KvCacheConfig] = None, device: str = "auto", dtype: str = "auto",
-                   group: Optional[LwsGroup] = None) -> int:
+                   group: Optional[LwsGroup] = None, revision: Optional[str] = None) -> int:
     """Run this pod's ranks of a LeaderWorkerSet group until the leader stops; returns an exit status.
 
     ``kvpilot serve`` calls this instead of building an `LLM` when ``LWS_WORKER_INDEX`` > 0. The
@@ -915,7 +916,9 @@ def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_
     group = group or LwsGroup.from_env()
     if group is None or group.index == 0:
         raise ValueError("run_lws_worker runs on LeaderWorkerSet workers (LWS_GROUP_SIZE > 1, LWS_WORKER_INDEX > 0)")
-    model_dir = Path(model)
+    from kvpilot.model.hub import resolve_model
+
+    model_dir = resolve_model(str(model), revision)  # the leader's snapshot (same id and revision)
     cfg = ModelConfig.from_dir(model_dir)
     spec = make_worker_spec(model_dir, cfg, kv_cache_config or KvCacheConfig(), max_num_tokens, max_batch_size,
                             int(max_seq_len or cfg.max_position_embeddings), device, dtype, tensor_parallel_size,

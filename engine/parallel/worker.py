@@ -22,7 +22,7 @@ a micro-batch (the plan and the batch sizes are the same everywhere), so the pad
 and its receive agree. Steps with a prefill chunk run eagerly. See `rank_graphs_enabled` for the
 switches.
 
-Same shapes as one GPU (issue 9): one GPU replays prefill steps of up to 256 tokens from graphs
+Same shapes as one GPU: one GPU replays prefill steps of up to 256 tokens from graphs
 captured at padded token counts, so on CUDA every rank pads such eager steps the same way
 (`model_runner.prefill_padding`; off where one GPU would not graph them: ``KVPILOT_CUDA_GRAPHS=0``,
 ``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at the same shapes as one GPU
@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from kvpilot.config import KvCacheConfig
+from kvpilot import envs
 
 from kvpilot.model.config import ModelConfig
 from kvpilot.parallel.custom_all_reduce import CustomAllReduce
@@ -522,7 +523,7 @@ class Worker:
             self.device = f"cuda:{self.local_rank}"
         else:
             self.device = "cpu"
-            if "OMP_NUM_THREADS" not in os.environ:
+            if envs.external("OMP_NUM_THREADS") is None:
                 # Ranks share the host's cores; oversubscribed intra-op threads slow each collective ~5x.
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.ranks_per_node))
         backend = "nccl" if on_gpu else "gloo"

@@ -383,7 +383,7 @@ def default_token_buckets(max_num_tokens: int, cap: int = DEFAULT_PREFILL_GRAPH_
     512, 64 beyond).
 
     Why ``cap`` defaults to 256 (Llama-3.1-8B shape, 32 layers, one H200, across four hosts;
-    benchmarks/gpu_mixed_graphs.py): a 256-token step took 7.6-7.9 ms from its graph against
+    benchmarks/lab/gpu_mixed_graphs.py): a 256-token step took 7.6-7.9 ms from its graph against
     12-21 ms eagerly, and 64 tokens on a 4,000-token cached prefix 7.0 ms against 13-29 ms (eager time
     depends on the host CPU); but a 575-token mixed step is GPU-bound (about 17 ms either way,
     0.95-1.19x), and with graphs up to 1,024 tokens offline throughput at 256 concurrent requests

@@ -24,7 +24,7 @@ Padded eager prefill (``prefill_pad_buckets``, set by tensor/pipeline-parallel r
 but padded exactly as that graph pads it (`prefill_padding`: the token bucket, its sequence count,
 ``max_query_len`` = the bucket, ``max_seq_len`` = the runner's), so cuBLAS and the attention kernels
 see the shapes one GPU gives them and pick the same algorithms and context splits, hence the same
-rounding (issue 9: unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
+rounding (unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
 
 Async scheduling (``supports_async_scheduling``; `engine_core` explains the engine's side): a step may
 be planned before the previous step's sampled tokens are read. A `ScheduledSeq` with
@@ -53,7 +53,8 @@ from kvpilot.runner.batch import ScheduledSeq  # noqa: F401  (the runner's input
 from kvpilot.runner.block_tables import HostBlockTables
 from kvpilot.config import KvCacheConfig, cpu_kv_cache_bytes
 from kvpilot.model.config import ModelConfig
-from kvpilot.model.llama import AttentionMetadata, LlamaForCausalLM, ParallelContext
+from kvpilot.model.layers import AttentionMetadata, ParallelContext
+from kvpilot.model.registry import model_class
 from kvpilot.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -245,14 +246,13 @@ class ModelRunner:
         cfg.raw["_model_dir"] = str(model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg, pc, layer_range)
+            model = model_class(cfg.architecture)(cfg, pc, layer_range)
         # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
         model = model.to(self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
         model.eval()
         rope_len = max(max_seq_len, cfg.max_position_embeddings)
-        model.set_rope_cache(K.build_rope_cache(cfg.head_dim, rope_len, cfg.rope_theta, cfg.rope_scaling,
-                                                device=self.device))
+        model.init_rope(rope_len, self.device)
         self.model = model
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.device.type == "cuda":
@@ -514,8 +514,8 @@ class ModelRunner:
         context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
         count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
         and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
-        On an H200 before this existed (`benchmarks/gpu_concurrency.py`, fourteenth session), the
-        first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
+        Without this pass, the first run of `benchmarks/lab/gpu_concurrency.py` on an H200 spent
+        0.2-1.0 s compiling at concurrency 1, 4 and 16.
 
         The steps, eager whatever their size (no graph, no graph padding):
         - a 2-token prefill chunk plus ``s - 1`` decode rows for ``s`` = 2, 3, 5, 9, 17, 33, 65 sequences

@@ -11,7 +11,6 @@ import argparse
 import asyncio
 import errno
 import logging
-import os
 import signal
 import socket
 from typing import Any, Optional
@@ -19,6 +18,7 @@ from typing import Any, Optional
 import uvicorn
 
 from kvpilot.config import KV_CACHE_DTYPES
+from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
 from kvpilot.server.state import ServerState
@@ -28,7 +28,13 @@ logger = logging.getLogger(__name__)
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Add ``kvpilot serve``'s arguments (DESIGN.md's CLI contract, plus server options)."""
-    parser.add_argument("model", help="Hugging Face checkpoint directory (or Hub id where the network allows)")
+    parser.add_argument("model", help="Hugging Face checkpoint directory, or Hub repo id (org/name) fetched into "
+                                      "the Hugging Face cache (HF_TOKEN, HF_HUB_OFFLINE, HF_HUB_CACHE apply)")
+    parser.add_argument("--revision", default=None,
+                        help="Hub branch, tag or commit of MODEL (default: main; Hub ids only)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for compatibility; kvpilot never runs a checkpoint's own model code "
+                             "(default: off)")
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     parser.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on, 1-65535 (default 8000)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -61,11 +67,12 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
                              "(default: MODEL exactly as given on the command line)")
-    parser.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY"),
+    parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file (or inline template) overriding the tokenizer's "
-                             "(default: the tokenizer's own chat_template)")
+                        help="Jinja chat template overriding the tokenizer's: a file, an inline template, "
+                             "or a bundled one by name ('plain': the messages' contents in order, for base "
+                             "models such as stories260K) (default: the tokenizer's own chat_template)")
     parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -121,7 +128,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                        tokens_per_block=args.tokens_per_block, dtype=args.kv_cache_dtype)
     return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-                max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype)
+                max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
+                revision=args.revision)
 
 
 def build_engine(args: argparse.Namespace) -> Any:
@@ -129,7 +137,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from kvpilot import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
-               **_engine_kwargs(args))
+               trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
 
 
 def preflight(args: argparse.Namespace) -> None:

@@ -18,7 +18,8 @@ import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr,
-                      field_validator, model_serializer)
+                      ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 StrictFloat = Annotated[float, Strict()]  # accepts JSON ints too, never strings
 
@@ -262,13 +263,39 @@ class ChatMessage(BaseModel):
         return "\n".join(texts)
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's ``function``: its name, description and JSON-Schema ``parameters`` (OpenAI)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+
+
+class ChatTool(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}`` (OpenAI)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``.
 
     ``logprobs`` (bool) asks for the chosen tokens' log-probabilities, ``top_logprobs`` (0..20) for
     that many alternatives. ``max_completion_tokens`` (or the deprecated ``max_tokens``) defaults to
-    what is left of the context after the prompt. ``add_generation_prompt`` and
-    ``chat_template_kwargs`` are vLLM's extras passed to the chat template.
+    what is left of the context after the prompt.
+
+    The chat template (`kvpilot.server.chat_template.render_chat`) gets ``messages``, ``tools`` (the
+    OpenAI tool list, as the template expects it), ``documents`` (retrieval passages, each a dict
+    such as ``{"title": ..., "text": ...}``), ``add_generation_prompt``, ``continue_final_message``
+    (the reply continues the last, assistant message instead of opening a new turn; not with
+    ``add_generation_prompt``) and ``chat_template_kwargs`` (any other template variable, e.g.
+    ``enable_thinking``), the variables of ``transformers``' ``apply_chat_template``; these and
+    ``echo`` (the reply starts with the last message's content when that message is the
+    assistant's) follow vLLM. Tools are only rendered into the prompt: the reply is returned as text
+    (no tool-call parsing), so a ``tool_choice`` that forces a call is refused.
     """
 
     messages: list[ChatMessage]
@@ -277,12 +304,15 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    echo: StrictBool = False
+    documents: Optional[list[dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # Structured output and tool calling are not implemented: anything that asks for them is
-    # refused (400) rather than answered with free text the client did not ask for.
+    # Structured output is not implemented: a request for it is refused (400) rather than answered
+    # with free text the client did not ask for.
     response_format: Optional[dict[str, Any]] = None
-    tools: Optional[list[Any]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
+    tools: Optional[list[ChatTool]] = None
 
     @field_validator("messages")
     @classmethod
@@ -298,19 +328,30 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError(f"response_format type {v.get('type')!r} is not supported; only 'text' is")
         return v
 
-    @field_validator("tool_choice")
+    @field_validator("continue_final_message")
     @classmethod
-    def _no_forced_tools(cls, v):
-        if v is not None and v not in ("none", "auto"):
-            raise ValueError("tool calling is not supported: tool_choice must be 'none' or 'auto'")
+    def _not_with_generation_prompt(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("add_generation_prompt", True):
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true; "
+                             "set add_generation_prompt to false to continue the final message")
         return v
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: Optional[list[Any]]) -> Optional[list[Any]]:
-        if v:
-            raise ValueError("tool calling is not supported: send the request without tools")
+    def _no_forced_tool_calls(cls, v: Optional[list[ChatTool]], info: ValidationInfo) -> Optional[list[ChatTool]]:
+        if v and info.data.get("tool_choice") not in (None, "none", "auto"):
+            raise ValueError(_FORCED_TOOLS)
         return v
+
+    @model_validator(mode="after")
+    def _tool_choice_without_tools(self) -> "ChatCompletionRequest":
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError(_FORCED_TOOLS)
+        return self
+
+
+_FORCED_TOOLS = ("tool calling is not supported: tool_choice must be 'none' or 'auto' (tools are rendered "
+                 "into the prompt; the reply is returned as text)")
 
 
 class ChatLogprob(BaseModel):

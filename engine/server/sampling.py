@@ -2,7 +2,9 @@
 
 Defaults follow OpenAI's API (``temperature`` 1, ``top_p`` 1, penalties 0, completions
 ``max_tokens`` 16, chat ``max_completion_tokens`` = what is left of the context) and vLLM's for its
-extras (``top_k`` off, ``min_p`` 0, ``repetition_penalty`` 1). Range checks are SamplingParams' own;
+extras (``top_k`` off, ``min_p`` 0, ``repetition_penalty`` 1), except where the checkpoint's
+``generation_config.json`` recommends values (``defaults``: `kvpilot.model.config.GenerationDefaults`),
+which apply to the fields a request leaves unset (vLLM's ``--generation-config auto``). Range checks are SamplingParams' own;
 its ValueError/TypeError messages start with the field name, which becomes the error's ``param``
 (translated back to the name the client used, e.g. ``max_completion_tokens``).
 """
@@ -22,7 +24,7 @@ _FIELD_RE = re.compile(r"^([a-z_]+)")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
-def _common(req: _SamplingFields) -> dict:
+def _common(req: _SamplingFields, defaults: Optional[dict] = None) -> dict:
     # The sampler keeps seeds in an int64 tensor; a bigger one would fail inside the engine loop.
     if req.seed is not None and not _INT64[0] <= req.seed <= _INT64[1]:
         raise APIError(f"seed must be in [{_INT64[0]}, {_INT64[1]}], got {req.seed}", param="seed")
@@ -35,20 +37,26 @@ def _common(req: _SamplingFields) -> dict:
             except ValueError:
                 raise APIError(f"logit_bias keys must be token ids (integers as strings), got {key!r}",
                                param="logit_bias") from None
+    d = defaults or {}
+
+    def pick(name: str, default):
+        value = getattr(req, name)
+        return d.get(name, default) if value is None else value
+
     return dict(
         n=1 if req.n is None else req.n,
         best_of=req.best_of,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=pick("top_k", 0),
+        min_p=pick("min_p", 0.0),
         seed=req.seed,
         stop=req.stop,
         stop_token_ids=req.stop_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         logit_bias=bias,
@@ -72,15 +80,16 @@ def _build(kwargs: dict, renames: dict[str, str]) -> SamplingParams:
         raise APIError(message, param=param) from None
 
 
-def completion_params(req: CompletionRequest, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a completions request; ``max_tokens`` is already resolved (>= 1 expected).
+def completion_params(req: CompletionRequest, max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
+    """SamplingParams of a completions request; ``max_tokens`` is already resolved (>= 1 expected);
+    ``defaults``: the model's generation defaults for unset fields (module docstring).
 
     Raises:
         APIError: 400 naming the field (``suffix`` is not supported; any out-of-range value).
     """
     if req.suffix:
         raise APIError("suffix is not supported", param="suffix")
-    kw = _common(req)
+    kw = _common(req, defaults)
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)
@@ -88,20 +97,27 @@ def completion_params(req: CompletionRequest, max_tokens: int) -> SamplingParams
     return _build(kw, {})
 
 
-def chat_params(req: ChatCompletionRequest, max_tokens: int) -> SamplingParams:
-    """SamplingParams of a chat request; ``logprobs=true`` asks for ``top_logprobs`` alternatives.
+def chat_params(req: ChatCompletionRequest, max_tokens: int, defaults: Optional[dict] = None) -> SamplingParams:
+    """SamplingParams of a chat request; ``logprobs=true`` asks for ``top_logprobs`` alternatives;
+    ``defaults`` as for `completion_params`.
 
     Raises:
         APIError: 400 naming the field (``top_logprobs`` without ``logprobs``; any out-of-range value).
     """
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    kw = _common(req)
+    kw = _common(req, defaults)
     kw.update(max_tokens=max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     renames = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None or req.max_tokens is None:
         renames["max_tokens"] = "max_completion_tokens"
     return _build(kw, renames)
+
+
+def generation_defaults(llm) -> dict:
+    """The engine's generation defaults (`kvpilot.LLM.generation_defaults`), or none."""
+    gd = getattr(llm, "generation_defaults", None)
+    return dict(gd.values) if gd is not None else {}
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> Optional[int]:

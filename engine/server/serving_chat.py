@@ -3,7 +3,9 @@
 Streaming follows OpenAI's chunk sequence per choice: a first chunk whose delta is
 ``{"role": "assistant", "content": ""}``, content chunks, then a chunk with an empty delta and the
 ``finish_reason`` (null on every earlier chunk); with ``stream_options.include_usage`` every chunk has
-``"usage": null`` and a last chunk with no choices carries the usage; then ``data: [DONE]``.
+``"usage": null`` and a last chunk with no choices carries the usage; then ``data: [DONE]``. With
+``echo`` (vLLM) and a final assistant message, each choice's content starts with that message's
+text: prefixed to the message, or sent as each choice's first content chunk when streaming.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionRequest, ChatCompletionResponse,
                        ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogprob, ChatLogprobEntry,
                        ChatResponseMessage, DeltaMessage, UsageInfo, random_id)
-from kvpilot.server.sampling import chat_max_tokens, chat_params, check_context
+from kvpilot.server.sampling import generation_defaults, chat_max_tokens, chat_params, check_context
 from kvpilot.server.serving_completion import check_model, params_n, submit
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_text, until_disconnect,
@@ -54,7 +56,8 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     if req.stream and req.best_of is not None and req.best_of > params_n(req):
         raise APIError("best_of > n cannot be streamed", param="best_of")
     prompt_ids = render_chat(llm.tokenizer, req.messages, state.chat_template, req.add_generation_prompt,
-                             req.chat_template_kwargs)
+                             req.chat_template_kwargs, tools=req.tools, documents=req.documents,
+                             continue_final_message=req.continue_final_message)
     param = "max_tokens" if req.max_completion_tokens is None and req.max_tokens is not None \
         else "max_completion_tokens"
     try:
@@ -63,7 +66,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
         if exc.param == "prompt":
             exc.param = "messages"
         raise
-    params = chat_params(req, max_tokens)
+    params = chat_params(req, max_tokens, generation_defaults(llm))
     request_id = random_id("chatcmpl")
     outputs = submit(llm, [prompt_ids], params, streaming=bool(req.stream), prompt_param="messages",
                      max_tokens_param=param)
@@ -79,15 +82,23 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     finally:
         state.end()
     top_n = req.top_logprobs or 0
+    echo = echo_text(req)
     choices = []
     for c in out.outputs:
         lp = chat_logprobs(llm.tokenizer, c.token_ids, c.logprobs, top_n) if req.logprobs else None
-        choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+        choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=echo + c.text),
                                             logprobs=lp, finish_reason=c.finish_reason,
                                             stop_reason=c.stop_reason))
     usage = UsageInfo.of(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs))
     body = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
     return JSONResponse(body.model_dump())
+
+
+def echo_text(req: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before each choice's content: the last message's text when it is the
+    assistant's (the role of the reply), else "" (vLLM's rule)."""
+    last = req.messages[-1]
+    return last.text() if req.echo and last.role == "assistant" else ""
 
 
 async def _stream(state: ServerState, req: ChatCompletionRequest, model: str, request_id: str,
@@ -102,8 +113,11 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, model: str, re
         return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     try:
+        echo = echo_text(req)
         for i in range(params_n(req)):
             yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+            if echo:
+                yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=echo)))
         async for deltas in stream_deltas([out]):
             for d in deltas:
                 completion_tokens += len(d.token_ids)

@@ -20,7 +20,7 @@ from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
-from kvpilot.server.sampling import check_context, completion_params
+from kvpilot.server.sampling import generation_defaults, check_context, completion_params
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_text,
                         until_disconnect, wait_all)
@@ -51,7 +51,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
             outputs.append(llm.generate_async(ids, params, streaming=streaming))
     except (ValueError, TypeError) as exc:
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         msg = str(exc)
         field = msg.split(" ", 1)[0]  # engine messages start with the field they are about
         if field in SamplingParams.field_names() and field != "max_tokens":
@@ -61,7 +61,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
         raise APIError(msg, param=param) from None
     except RuntimeError as exc:  # EngineDeadError: the engine loop has stopped
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         raise APIError(f"the engine is not running: {exc}", status=503) from None
     return outputs
 
@@ -112,7 +112,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
             prompt_texts.append(None)
     # One SamplingParams for all prompts: without max_tokens, what is left after the longest prompt.
     max_tokens = min(check_context(len(ids), req.max_tokens, llm.max_seq_len, "max_tokens") for ids in prompt_ids)
-    params = completion_params(req, max_tokens)
+    params = completion_params(req, max_tokens, generation_defaults(llm))
     if req.echo:
         prompt_texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompt_ids)]
     request_id = random_id("cmpl")

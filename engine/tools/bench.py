@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import sys
 import time
@@ -30,6 +29,8 @@ from typing import Callable, Optional
 import httpx
 import numpy as np
 
+from kvpilot import envs
+from kvpilot.tools import bench_figures as _figures
 from kvpilot.tools import bench_offline as _offline
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,9 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict,
                 if chunk.get("usage"):
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                     res.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                if not any(c.get("text") for c in chunk.get("choices") or []):
+                # A token's chunk has text, or (token-id prompts on a server without a tokenizer, or a
+                # partial UTF-8 character) empty text and no finish_reason; the finish chunk is skipped.
+                if not any(c.get("text") or c.get("finish_reason") is None for c in chunk.get("choices") or []):
                     continue
                 now = time.perf_counter()
                 if last is None:
@@ -108,7 +111,7 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict,
     res.e2e = time.perf_counter() - start
     res.ok = last is not None
     if not res.ok:
-        res.error = "no text was streamed"
+        res.error = "no token was streamed"
     return res
 
 
@@ -212,7 +215,7 @@ def _configure_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt length in words (about tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    p.add_argument("--api-key", default=os.environ.get("KVPILOT_API_KEY") or None,
+    p.add_argument("--api-key", default=envs.api_key() or None,
                    help="bearer token sent as 'Authorization: Bearer KEY' (default: $KVPILOT_API_KEY, else none)")
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not measured")
     p.add_argument("--output-json", default=None, help="also write the figures to this JSON file (default: no file)")
@@ -254,11 +257,13 @@ def _serve_benchmarks(args: argparse.Namespace) -> int:
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
-# (name, help, configure, run): the GPU benchmarks (`latency`, `throughput`) are added here.
+# (name, help, configure, run): the offline benchmarks (`latency`, `throughput`) and the figures of
+# BENCHMARKS.md's current-results table (`all`, one per figure; `kvpilot.tools.bench_figures`).
 _SUBCOMMANDS: list[tuple[str, str, Callable[[argparse.ArgumentParser], None],
                          Callable[[argparse.Namespace], int]]] = [
     ("serve", "latency and throughput of a running OpenAI-compatible server", _configure_serve, _run_serve),
     *_offline.SUBCOMMANDS,
+    *_figures.SUBCOMMANDS,
 ]
 
 

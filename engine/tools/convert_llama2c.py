@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvpilot import envs
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<7i")
@@ -49,6 +51,10 @@ _N_SPECIAL = 3  # <unk>, <s>, </s>
 _N_BYTE_TOKENS = 256  # <0x00>..<0xFF>, ids 3..258 (SentencePiece byte fallback)
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 _STORIES_FILES = ("stories260K.bin", "tok512.bin")
+# llama2.c's documented greedy continuation of stories260K from BOS (../shared/models/stories260K/SOURCE.md):
+# what a correct engine generates from the converted model (the tests' and GPU benchmark's golden text).
+STORIES260K_GREEDY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+                      "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
 
 
 @dataclass(frozen=True)
@@ -369,9 +375,9 @@ def convert_llama2c(checkpoint: Path, tokenizer: Path, output: Path) -> Path:
 def stories260k_source_dir() -> Path:
     """Folder holding llama2.c's stories260K files: ``$KVPILOT_STORIES260K_DIR`` if set, else
     ``<repo>/../shared/models/stories260K`` (<repo> found from this file's real location)."""
-    env = os.environ.get("KVPILOT_STORIES260K_DIR")
-    if env:
-        return Path(env)
+    env = envs.stories260k_dir()
+    if env is not None:
+        return env
     repo = Path(__file__).resolve().parents[2]  # this file is <repo>/engine/tools/convert_llama2c.py
     return repo.parent / "shared" / "models" / "stories260K"
 
@@ -398,7 +404,7 @@ def ensure_stories260k(cache_dir: Path | None = None) -> Path:
     digest = hashlib.sha256()
     for f in (src / _STORIES_FILES[0], src / _STORIES_FILES[1], Path(__file__).resolve()):
         digest.update(f.read_bytes())
-    root = Path(cache_dir or os.environ.get("KVPILOT_CACHE_DIR") or Path.home() / ".cache" / "kvpilot")
+    root = Path(cache_dir or envs.cache_dir())
     target = root / f"stories260K-{digest.hexdigest()[:16]}"
     if target.is_dir():
         return target

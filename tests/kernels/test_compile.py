@@ -2,7 +2,7 @@
 
 The other kernel tests run under ``TRITON_INTERPRET=1``, which never compiles a kernel, so a
 specialization the interpreter never executes can still fail to compile on the GPU. These tests run
-``tests/compile_kernels.py`` in a subprocess (without ``TRITON_INTERPRET``, with an empty Triton
+``tools/compile_kernels.py`` in a subprocess (without ``TRITON_INTERPRET``, with an empty Triton
 cache, from a directory where the repository's ``operator/`` cannot shadow the stdlib): it compiles
 every kernel, through its public wrapper at Llama-3.1-8B shapes, down to a cubin with ptxas.
 """
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.paths import TESTS
+from support.paths import TOOLS
 
-SCRIPT = TESTS / "compile_kernels.py"
+SCRIPT = TOOLS / "compile_kernels.py"
 
 # Kernels the engine launches (the script itself also fails on any @triton.jit kernel of
 # kernels/*.py it did not compile; this list checks that its report names them).
@@ -34,6 +34,7 @@ EXPECTED = [
     "pointwise._rms_norm_kernel",
     "pointwise._rotary_kernel",
     "pointwise._silu_and_mul_kernel",
+    "pointwise._gelu_tanh_and_mul_kernel",
     "gemv._gemv_kernel",
     "gemv._gemv_tma_kernel",
     "sampling._plain_kernel",
@@ -105,6 +106,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert "1" in splits and len(splits) >= 2, splits
     split_flags = {m for line in attention if "decode_attention._decode_kernel " in line for m in re.findall(r"\bSPLIT=(\w+)", line)}
     assert split_flags == {"True", "False"}, split_flags
+    # Sliding-window and soft-capped variants of every attention kernel (Mistral, Gemma).
+    for kernel in ("prefill_attention._prefill_kernel ", "decode_attention._decode_kernel ",
+                   "decode_attention._decode_tma_kernel ", "decode_attention._reduce_kernel ",
+                   "fused_decode_attention._rotary_decode_kernel "):
+        lines = [line for line in ok if kernel in line]
+        assert any("WINDOWED=True" in line for line in lines), kernel
+        assert any("WINDOWED=False" in line for line in lines), kernel
+        if "_reduce_kernel" not in kernel:
+            assert any("WINDOWED=True" in line and "SOFT_CAP=True" in line for line in lines), kernel
     precise = [line for line in ok if "PRECISE=" in line]
     assert precise and all("PRECISE=True" in line for line in precise)
     # The greedy/plain-only draw compiles _resolve_kernel with placeholders for the filtered buffers.
@@ -112,7 +122,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert "sampling._resolve_kernel" in plain_only
     # GEMV at M = 1 (FMA, M specialised to 1), 2 and 8 (tl.dot) for each prologue.
     gemv = [line for line in ok if "gemv._gemv_kernel" in line]
-    for prologue in ("0", "1", "2"):
+    for prologue in ("0", "1", "2", "3"):
         blocks = {m for line in gemv if f"PROLOGUE={prologue} " in line for m in re.findall(r"BLOCK_M=(\d+)", line)}
         assert {"1", "2", "16"} <= blocks, (prologue, blocks)
     # Nothing needs more than an H200 block has (the script checks; the report shows it).

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from support.paths import BENCHMARKS
+from support.paths import BENCHMARKS, load_benchmark
 
 BENCH = BENCHMARKS
 
@@ -24,14 +24,11 @@ def V():
     # gpu_decode_layer (imported by the script) sets KVPILOT_FUSED_GEMV=0 for its own runs: keep
     # that out of this process's environment.
     saved = dict(os.environ)
-    sys.path.insert(0, str(BENCH))
     try:
-        import gpu_gemv_vec
+        return load_benchmark("gpu_gemv_vec")
     finally:
-        sys.path.remove(str(BENCH))
         os.environ.clear()
         os.environ.update(saved)
-    return gpu_gemv_vec
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -29,7 +29,7 @@ def test_helm_template_renders_valid_objects(name):
     assert "Deployment" in kinds and "ClusterRole" in kinds
     for doc in docs:
         if doc["kind"] in ("KopfPeering", "ClusterKopfPeering"):
-            continue  # custom resources: their CRDs are validated in test_operator_chart.py
+            continue  # custom resources: their CRDs are validated in test_chart.py
         kubernetes_validate.validate(doc, "1.35.0", strict=True)
 
 

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
-from support.paths import BENCHMARKS
 
 
 # Llama-shaped and big enough that a step's GPU time dwarfs the launch (so an answer before the
@@ -17,7 +15,6 @@ SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hid
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("par_gpu") / "m", SHAPE, device="cuda", std=0.05)

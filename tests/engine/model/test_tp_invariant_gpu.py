@@ -8,13 +8,11 @@ Skipped without two CUDA GPUs. The whole model's figures: ``benchmarks/gpu_tp_gr
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from support.paths import BENCHMARKS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -25,8 +23,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_random_model import LLAMA31_8B, write_random_llama
+    from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama
 
     shape = dict(LLAMA31_8B, num_hidden_layers=4)
     return write_random_llama(tmp_path_factory.mktemp("tp_invariant_gpu") / "m", shape, device="cuda")

@@ -1,4 +1,8 @@
-"""Review of the fourth session's TP/PP front-end changes: cases that broke them."""
+"""The multi-process executor stays alive, or fails fast and clearly: step timing in a multi-node
+group, after a worker died and after shutdown (`EngineDeadError`), a dead tensor-parallel peer on a
+GPU, beam search with preemption and aborts through the plan encoding, and the logits event wait
+(returns once the event completes, stops when a worker dies, reports a worker's error, times out,
+keeps an answer that runs ahead)."""
 
 from __future__ import annotations
 
@@ -16,14 +20,13 @@ pytestmark = pytest.mark.timeout(180)
 
 # The tiny model and its single-process outputs (module-scoped fixtures of the LWS tests).
 from support.parallel import tiny_model_dir, tiny_single_reference  # noqa: E402, F401
-from support.paths import BENCHMARKS
 
 
 def test_step_timing_in_a_multi_node_group_keeps_the_engine_alive(tmp_path, tiny_model_dir,
                                                                    tiny_single_reference, monkeypatch):
     """Two 'pods' of two ranks each (TP 2 x PP 2): the leader pod's rank 1 has a pipe too, but only
-    rank 0 may answer ``step_timing`` (an extra answer was read as an unexpected message at the next
-    step, and the engine died)."""
+    rank 0 answers ``step_timing`` (an extra answer would be read as an unexpected message at the next
+    step, and the engine would die)."""
     with lws_worker_pod(tmp_path, tiny_model_dir, monkeypatch, tp=2, pp=2):
         with LLM(str(tiny_model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, pipeline_parallel_size=2,
                  device="cpu") as llm:
@@ -127,8 +130,7 @@ def test_gpu_dead_tp_peer_fails_requests_quickly(tmp_path, event):
     now) instead of watching the worker processes; the NCCL timeout is set far above the bound here."""
     import torch
 
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     shape = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096, rms_norm_eps=1e-5,

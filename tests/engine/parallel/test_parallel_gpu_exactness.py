@@ -7,13 +7,11 @@ steps. Skipped without two CUDA GPUs; the Llama-3.1-8B-shape numbers: ``benchmar
 from __future__ import annotations
 
 import statistics
-import sys
 
 import pytest
 import torch
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from support.paths import BENCHMARKS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -27,8 +25,7 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    sys.path.insert(0, str(BENCHMARKS))
-    from gpu_random_model import write_random_llama
+    from kvpilot.tools.random_model import write_random_llama
 
     return write_random_llama(tmp_path_factory.mktemp("exact_gpu") / "m", SHAPE, device="cuda", std=0.05)
 

@@ -111,6 +111,33 @@ def test_chat_stream_golden_and_chunk_shapes(server):
     assert len({c["id"] for c in chunks}) == 1
 
 
+def test_chat_assistant_prefill_with_echo_and_tools(server, client):
+    """``continue_final_message`` continues the final assistant message, ``echo`` puts its text before
+    the reply (both ways of serving), and ``tools`` with ``tool_choice`` "auto" are accepted."""
+    prefix = "Once upon a time, there was"
+    body = {"messages": [{"role": "assistant", "content": prefix}], "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True, "max_tokens": 12, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "tool_choice": "auto"}
+    r = client.chat.completions.create(model=MODEL, **{k: body[k] for k in ("messages", "max_tokens", "temperature",
+                                                                           "tools", "tool_choice")},
+                                       extra_body={k: body[k] for k in ("add_generation_prompt",
+                                                                        "continue_final_message", "echo")})
+    content = r.choices[0].message.content
+    assert content.startswith(prefix) and len(content) > len(prefix)
+    assert r.usage.completion_tokens == 12
+    no_echo = client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=12, temperature=0,
+                                             extra_body={"add_generation_prompt": False,
+                                                         "continue_final_message": True})
+    assert prefix + no_echo.choices[0].message.content == content
+    with httpx.stream("POST", server.base_url + "/chat/completions", json={**body, "model": MODEL, "stream": True},
+                      timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as s:
+        events = [e for e in s.read().decode().split("\n\n") if e.startswith("data: {")]
+    deltas = [json.loads(e[len("data: "):])["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": prefix}
+    assert "".join(d.get("content") or "" for d in deltas) == content
+
+
 # ---- sampling features ------------------------------------------------------------------------
 
 def test_stop_string_held_back(client):
@@ -264,6 +291,13 @@ BAD_REQUESTS = [
                            "response_format": {"type": "json_object"}}, 400, "response_format", "not supported"),
     ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
                            "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
+    ("/chat/completions", {"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+     400, "continue_final_message", "cannot both be true"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                           "chat_template_kwargs": {"add_generation_prompt": False}}, 400, "chat_template_kwargs",
+     "may not set"),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tools[0].function", "required"),
 ]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,8 @@ from support.engine import hf_greedy, make_tiny_llama
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.tools.bench_offline import add_subcommands, auto_concurrency, random_prompts, run_latency, run_throughput
 from kvpilot.runner.model_runner import ScheduledSeq
-from support.paths import BENCHMARKS
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_random_model import TINY, write_random_llama  # noqa: E402
+from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -222,7 +222,7 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper-or-newer GPU with Triton's launch_pdl")
 
 
-def _review_module():
+def _pdl_harness():
     return load_benchmark("gpu_pdl_races")
 
 
@@ -233,7 +233,7 @@ def test_gpu_negative_control_is_caught(monkeypatch):
     late writer, reads the stale input in some trials (otherwise PDL is not in effect and the
     late-writer test below proves nothing)."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     assert r.negative_control(10, 50.0) > 0
 
 
@@ -244,7 +244,7 @@ def test_gpu_pdl_kernels_never_read_or_overwrite_early(monkeypatch):
     1 and 8 rows, bf16 and FP8 caches, the qkv -> rotary -> attention -> o_proj chain), eagerly
     and from a CUDA graph: the output equals the synchronised call's, bit for bit."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     bad = {}
     for case in r.build_cases():
         e, g = r.run_case(case, 5, 50.0, graphs=True)

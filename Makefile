@@ -31,7 +31,7 @@ test-gpu: install
 # GPU. On the project's device image run `source benchmarks/device_setup.sh` first: it installs
 # kvpilot into the image's python and puts `kvpilot` on PATH (no .venv there). About 6 minutes on an
 # H200, most of it the two offline runs; BENCH_ARGS='--quick' takes about 3, e.g.
-#   make bench-gpu BENCH_OUT=$$OUT/bench.json BENCH_ARGS='--figures decode-b1,offline'
+#   make bench-gpu BENCH_OUT=$OUT/bench.json BENCH_ARGS='--figures decode-b1,offline'
 BENCH_OUT ?= bench-results.json
 BENCH_ARGS ?=
 bench-gpu:

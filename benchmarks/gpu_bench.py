@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""kvpilot on one GPU: correctness against transformers, and the issue's benchmarks 1-5, in one run.
+"""kvpilot on one GPU: correctness against transformers, and the five GPU benchmarks, in one run.
 
 Usage (from the repo root; never ``python -m``: the repo's operator/ folder shadows the stdlib)::
 

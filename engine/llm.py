@@ -216,7 +216,8 @@ class LLM:
         """Generate for one prompt or a batch; results in input order.
 
         Args:
-            inputs: a string, a list of token ids, or a list of either.
+            inputs: a string, a list of token ids, or a list of either. ``[]`` is one empty token-id
+                prompt: the BOS token alone, or a ValueError on a model without one.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over finished requests.
         Returns:
@@ -225,8 +226,9 @@ class LLM:
         if not isinstance(inputs, (str, list, tuple)):
             raise TypeError(f"inputs must be a string, a list of token ids, or a list of those, "
                             f"got {type(inputs).__name__}")
-        single = isinstance(inputs, str) or (inputs != [] and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in inputs))
+        # An empty list is one empty token-id prompt (BOS alone; an error without a BOS token), as
+        # for `generate_async`, not an empty batch.
+        single = isinstance(inputs, str) or all(isinstance(t, int) and not isinstance(t, bool) for t in inputs)
         prompts = [list(inputs) if not isinstance(inputs, str) else inputs] if single else list(inputs)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):

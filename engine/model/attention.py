@@ -7,19 +7,15 @@ Features by family (`AttentionOptions`): ``qkv_bias`` / ``o_bias`` (Qwen2: q/k/v
 ``logits_soft_cap`` (Gemma 2: scores become ``cap * tanh(scores / cap)`` before the softmax),
 ``scale`` (Gemma: ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5``), partial rotary.
 
-Kernels: full-rotary layers without window or cap run exactly the launches the Llama model always
-ran (`kvpilot.kernels.rotary_decode_attention` for decode-only batches, else
-`rotary_write_kv_cache` + `paged_attention`). A window or cap goes to the kernels as the keywords
-``sliding_window`` / ``logits_soft_cap`` where the installed kernels take them
-(`kernel_takes_attention_features`), otherwise to `paged_attention_torch` (PyTorch, any device).
-Partial rotary rotates the first ``rotary_dim`` features with `kvpilot.kernels.apply_rotary`, then
-writes the cache (`write_kv_cache`) and attends.
+Kernels: every layer runs `kvpilot.kernels.rotary_decode_attention` for decode-only batches (one
+launch at small batch sizes), else `rotary_write_kv_cache` + `paged_attention`; a window or cap goes
+to them as the keywords ``sliding_window`` / ``logits_soft_cap`` (layers without either make
+exactly the calls the Llama model always made). Partial rotary rotates the first ``rotary_dim``
+features with `kvpilot.kernels.apply_rotary`, then writes the cache (`write_kv_cache`) and attends.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,58 +43,6 @@ class AttentionOptions:
     scale: Optional[float] = None
     rotary_dim: Optional[int] = None
     rope_key: str = "default"
-
-
-@functools.lru_cache(maxsize=None)
-def kernel_takes_attention_features() -> bool:
-    """True when `kvpilot.kernels.paged_attention` and `rotary_decode_attention` accept the
-    ``sliding_window`` and ``logits_soft_cap`` keywords."""
-    try:
-        return all({"sliding_window", "logits_soft_cap"} <= set(inspect.signature(f).parameters)
-                   for f in (K.paged_attention, K.rotary_decode_attention))
-    except (TypeError, ValueError):
-        return False
-
-
-def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                          scale: float, sliding_window: Optional[int] = None,
-                          logits_soft_cap: Optional[float] = None) -> torch.Tensor:
-    """Causal paged attention in float32 with an optional window and soft cap (PyTorch).
-
-    Same layout as `kvpilot.kernels.reference.paged_attention_ref`: ``q`` ``[T, H, D]``, caches
-    ``[num_blocks, block_size, Hkv, D]`` already holding this step's keys, ``block_tables``
-    ``[S, max_blocks]``, ``seq_lens`` ``[S]`` (context after this step), ``query_start_loc``
-    ``[S + 1]``. Query ``j`` of sequence ``i`` sits at ``p = seq_lens[i] - q_len + j`` and attends
-    keys ``t`` with ``t <= p`` and, with a window ``w``, ``t > p - w``. Soft cap ``c``: scores
-    ``c * tanh(s / c)`` (Gemma 2). Returns ``[T, H, D]`` in ``q.dtype``; uncovered rows are zero.
-    """
-    out = torch.zeros_like(q)
-    nb, bs, hkv, d = k_cache.shape
-    h = q.shape[1]
-    g = h // hkv
-    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for i, sl in enumerate(lens):
-        a, b = qsl[i], qsl[i + 1]
-        ql = b - a
-        if ql <= 0:
-            continue
-        blocks = block_tables[i, : -(-sl // bs)].long()
-        k = k_cache[blocks].reshape(-1, hkv, d)[:sl].float()
-        v = v_cache[blocks].reshape(-1, hkv, d)[:sl].float()
-        qf = q[a:b].float().reshape(ql, hkv, g, d)
-        scores = torch.einsum("qhgd,khd->hgqk", qf, k) * scale
-        if logits_soft_cap:
-            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
-        pos = torch.arange(sl - ql, sl, device=q.device)[:, None]
-        key = torch.arange(sl, device=q.device)[None, :]
-        allowed = key <= pos
-        if sliding_window:
-            allowed &= key > pos - sliding_window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[a:b] = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(ql, h, d).to(q.dtype)
-    return out
 
 
 class Attention(nn.Module):
@@ -165,11 +109,7 @@ class Attention(nn.Module):
     def _paged(self, positions, q, k, v, meta: AttentionMetadata, kv_cache, cos_sin_cache) -> torch.Tensor:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         window, cap = self.opts.sliding_window, self.opts.logits_soft_cap
-        features = {}
-        if window or cap:
-            if not kernel_takes_attention_features():
-                return self._paged_torch(positions, q, k, v, meta, k_cache, v_cache, cos_sin_cache)
-            features = {"sliding_window": window, "logits_soft_cap": cap}
+        features = {"sliding_window": window, "logits_soft_cap": cap} if window or cap else {}
         if self.rotary_dim != self.head_dim:
             q, k = self._rotate_partial(positions, q, k, cos_sin_cache)
             K.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -188,12 +128,3 @@ class Attention(nn.Module):
         r = self.rotary_dim
         qr, kr = K.apply_rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), positions, cos_sin_cache)
         return torch.cat([qr, q[..., r:]], dim=-1), torch.cat([kr, k[..., r:]], dim=-1).contiguous()
-
-    def _paged_torch(self, positions, q, k, v, meta, k_cache, v_cache, cos_sin_cache):
-        if self.rotary_dim != self.head_dim:
-            q, k = self._rotate_partial(positions, q, k, cos_sin_cache)
-            K.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            q = K.rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     self.scale, self.opts.sliding_window, self.opts.logits_soft_cap)

@@ -35,6 +35,7 @@ from kvpilot.model.layers import (AttentionMetadata, ParallelContext, RMSNorm, V
 from kvpilot.model.mlp import GatedMLP
 from kvpilot.model.quantization import QuantizationMethod, get_quantization_method
 from kvpilot.model.rotary import RotaryEmbedding, rope_parameters
+from kvpilot.model.tp_invariant import tp_invariant_size
 
 
 class FamilySpec:
@@ -183,7 +184,8 @@ class CausalLM(nn.Module):
 
     Raises:
         ValueError: a tensor-parallel size the model does not split into; a quantization scheme,
-            activation or rope type the engine lacks.
+            activation or rope type the engine lacks; ``KVPILOT_TP_INVARIANT`` for a family without
+            shard layers.
     """
 
     spec_cls: type[FamilySpec] = FamilySpec
@@ -205,6 +207,9 @@ class CausalLM(nn.Module):
         self.lm_head_shards = None
         self.tp_reduce_fp32 = tp_reduce_fp32_enabled()  # read once: KVPILOT_TP_REDUCE_FP32
         self.quant_method = get_quantization_method(cfg.raw)
+        if not self.spec.supports_tp_invariant and tp_invariant_size():
+            raise ValueError(f"KVPILOT_TP_INVARIANT has shard layers for Llama only, not {cfg.architecture}; "
+                             f"unset it for this model")
         self._build_ends()
         self.layers = nn.ModuleList(self.build_layer(i) for i in range(start, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.spec.norm_offset) if self.is_last else None

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpilot import kernels as K
@@ -27,23 +26,6 @@ from kvpilot.model.quantization import QuantizationMethod
 
 ACTIVATIONS = {"silu": "silu", "silu_and_mul": "silu", "swish": "silu",
                "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``gelu_tanh(x[..., :d]) * x[..., d:]`` in float32, cast to ``x.dtype``: the kernels package's
-    `gelu_tanh_and_mul` where it exists, else PyTorch.
-
-    Raises:
-        ValueError: an odd last dimension.
-    """
-    fn = getattr(K, "gelu_tanh_and_mul", None)
-    if fn is not None:
-        return fn(x)
-    if x.shape[-1] % 2:
-        raise ValueError(f"last dimension must be even (gate|up), got {x.shape[-1]}")
-    d = x.shape[-1] // 2
-    xf = x.float()
-    return (F.gelu(xf[..., :d], approximate="tanh") * xf[..., d:]).to(x.dtype)
 
 
 def activation_of(name: str) -> str:
@@ -95,5 +77,5 @@ class GatedMLP(nn.Module):
         `kvpilot.kernels.gemv.silu_mul_gemv`."""
         if fused_gemv and self.activation == "silu":
             return self.down_proj(gate_up, fused=KG.silu_mul_gemv)
-        act = K.silu_and_mul(gate_up) if self.activation == "silu" else gelu_tanh_and_mul(gate_up)
+        act = K.silu_and_mul(gate_up) if self.activation == "silu" else K.gelu_tanh_and_mul(gate_up)
         return self.down_proj(act)

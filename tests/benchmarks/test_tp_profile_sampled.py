@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_tp_profile.py --sampled``: the sampled path is warmed up before it is timed (the
+"""``benchmarks/lab/gpu_tp_profile.py --sampled``: the sampled path is warmed up before it is timed (the
 sampling kernels compile on their first call, which the greedy warm-up never makes), and exact-path
 rows are counted over the timed runs only. A stand-in `LLM` records the calls."""
 
@@ -20,11 +20,11 @@ ROOT = REPO
 # ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------
 
 def _load_profile():
     spec = importlib.util.spec_from_file_location("gpu_tp_profile_under_test",
-                                                  ROOT / "benchmarks" / "gpu_tp_profile.py")
+                                                  ROOT / "benchmarks" / "lab" / "gpu_tp_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

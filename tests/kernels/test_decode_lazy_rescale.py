@@ -145,7 +145,7 @@ def test_gpu_decode_lazy_rescale_is_bit_identical_at_serving_shape(monkeypatch, 
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
 
-    decode_batch = load_benchmark("gpu_review6").decode_batch
+    decode_batch = load_benchmark("gpu_decode_sampler_checks").decode_batch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     args = decode_batch(kv, torch.randint(200, 3000, (96,), generator=g, device="cuda").int(), g)

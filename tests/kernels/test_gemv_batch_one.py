@@ -181,7 +181,7 @@ def test_table_keeps_vec_and_early_weight_on_batch_one_rows_only():
 
 # ---- GPU: the launch table at other models' shapes, shards and dtypes ---------------------------
 
-_review8 = load_benchmark("gpu_gemv_review8")
+_review8 = load_benchmark("gpu_gemv_shapes")
 MODELS, check_model = _review8.MODELS, _review8.check_model
 
 
@@ -194,5 +194,5 @@ def test_gpu_batch_one_table_at_model_shapes(model, dtype):
     N >= 16384, fma down) at Llama 8B, its tp-8 shard (partial K tiles), hidden 5120 (masked
     NORM_PAD), 70B tp 2 and 405B tp 4 (K = 8192 / 16384), against the references: ``h`` bit-exact,
     ``y`` within 1e-2 (16-bit) / 1e-5 (fp32) relative L2; o_proj with a strided bias and as an fp32
-    partial (benchmarks/gpu_gemv_review8.py, `check_model`)."""
+    partial (benchmarks/lab/gpu_gemv_shapes.py, `check_model`)."""
     assert check_model(*model, dtype) == []

@@ -11,7 +11,7 @@ attention with and without splits, bf16 and FP8; the reduction; rotary + KV writ
 the source-level pairing of launch attribute and wait. On a GPU machine with another Triton, run
 ``tools/pdl_order_check.py`` there. PDL is off on ROCm GPUs (`kernels/pdl._capable`: Hopper only).
 
-The ``gpu`` tests provoke the race on an H200 (``benchmarks/gpu_pdl_review.py``): a late writer
+The ``gpu`` tests provoke the race on an H200 (``benchmarks/lab/gpu_pdl_races.py``): a late writer
 kernel that triggers its PDL successor at once and writes the successor's input only after
 spinning; the successor's output must equal the synchronised result, and a deliberately broken
 kernel (load before wait) must be caught (else the harness proves nothing)."""
@@ -222,8 +222,8 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper-or-newer GPU with Triton's launch_pdl")
 
 
-def _review_module():
-    return load_benchmark("gpu_pdl_review")
+def _pdl_harness():
+    return load_benchmark("gpu_pdl_races")
 
 
 @pytest.mark.gpu
@@ -233,18 +233,18 @@ def test_gpu_negative_control_is_caught(monkeypatch):
     late writer, reads the stale input in some trials (otherwise PDL is not in effect and the
     late-writer test below proves nothing)."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     assert r.negative_control(10, 50.0) > 0
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_pdl_kernels_never_read_or_overwrite_early(monkeypatch):
-    """Every late-writer / late-reader case of benchmarks/gpu_pdl_review.py (Llama-3.1-8B shapes,
+    """Every late-writer / late-reader case of benchmarks/lab/gpu_pdl_races.py (Llama-3.1-8B shapes,
     1 and 8 rows, bf16 and FP8 caches, the qkv -> rotary -> attention -> o_proj chain), eagerly
     and from a CUDA graph: the output equals the synchronised call's, bit for bit."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     bad = {}
     for case in r.build_cases():
         e, g = r.run_case(case, 5, 50.0, graphs=True)

@@ -109,6 +109,9 @@ async def test_growing_past_one_node_swaps_deployment_for_leader_worker_set(oper
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "big"))
     await env.patch("LLMDeployment", NAMESPACE, "big", {"spec": {"parallelism": {"pipeline": 2}}})
     lws = await env.wait_for(lambda: env.get("LeaderWorkerSet", NAMESPACE, "big"))
+    # A surge: the Deployment goes only once the LeaderWorkerSet is Ready.
+    await env.patch("LeaderWorkerSet", NAMESPACE, "big",
+                    {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}}, subresource="status")
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "big") is None)
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     assert lws["metadata"]["ownerReferences"][0]["uid"] == "uid-big"

@@ -92,7 +92,7 @@ def check_deployment(dep: dict, gpus: int, tp: int, pp: int) -> None:
     assert spec["selector"] == {"matchLabels": SELECTOR}
     assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert spec["progressDeadlineSeconds"] == 1800 + 600
-    assert spec["template"]["metadata"]["labels"] == LABELS
+    assert spec["template"]["metadata"]["labels"] == {**LABELS, "serving.kvpilot.io/workload": "Deployment"}
     check_pod(spec["template"]["spec"], gpus, engine_args(tp, pp))
 
 
@@ -121,7 +121,7 @@ def test_tp8_pp2_leader_worker_set():
     group = lws["leaderWorkerTemplate"]
     assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
     for key, leader in (("leaderTemplate", True), ("workerTemplate", False)):
-        assert group[key]["metadata"]["labels"] == LABELS
+        assert group[key]["metadata"]["labels"] == {**LABELS, "serving.kvpilot.io/workload": "LeaderWorkerSet"}
         check_pod(group[key]["spec"], 8, engine_args(8, 2), leader=leader, multi_node=True)
     leaders = {**SELECTOR, "leaderworkerset.sigs.k8s.io/worker-index": "0"}
     check_service_and_pdb(objects, leaders)
@@ -130,10 +130,12 @@ def test_tp8_pp2_leader_worker_set():
         "leaderworkerset.sigs.k8s.io/worker-index=0")
 
 
-def test_tp16_on_8_gpu_nodes_is_two_pods_of_8():
-    lws = render(cr(tensor=16))[0]["spec"]["leaderWorkerTemplate"]
+def test_16_gpus_on_8_gpu_nodes_is_two_pods_of_8_and_tp_stays_in_a_node():
+    lws = render(cr(tensor=8, pipeline=2))[0]["spec"]["leaderWorkerTemplate"]
     assert lws["size"] == 2
     assert lws["workerTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    with pytest.raises(ValueError, match="must divide gpusPerNode"):  # TP 16 would straddle two nodes
+        render(cr(tensor=16))
 
 
 def test_every_engine_setting_becomes_a_flag():

@@ -142,4 +142,4 @@ def test_bad_max_tokens_is_ignored_on_rocm(bad_max_tokens, monkeypatch):
     assert _spec(2, 1, "cuda").tp_size == 2  # switched off: not read either
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------

@@ -23,7 +23,7 @@ from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
 from support.paths import load_benchmark
 
-RandomSchedule = load_benchmark("gpu_review7b_padding").RandomSchedule
+RandomSchedule = load_benchmark("gpu_prefill_padding").RandomSchedule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -111,10 +111,10 @@ def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir,
 def test_padded_eager_steps_equal_prefill_graph_replays_over_a_random_run(model_dir):
     """Checked, right: over 40 random steps (chunked prefill at any offset, several sequences,
     decodes mixed in, chunks that do not sample, prompt-logprob chunks, steps past the largest
-    bucket; `gpu_review7b_padding.RandomSchedule`), a runner padding its eager steps
+    bucket; `gpu_prefill_padding.RandomSchedule`), a runner padding its eager steps
     (``prefill_pad_buckets``) returns the logits and rows of a runner replaying prefill graphs (CPU
     double), bit for bit, and leaves the same KV cache: padded tokens write no slot and padded
-    sequences read none. (benchmarks/gpu_review7b_padding.py checks the same on an H200, with cuBLAS
+    sequences read none. (benchmarks/lab/gpu_prefill_padding.py checks the same on an H200, with cuBLAS
     and the Triton attention kernels.)"""
     graph_runner, eager_runner = exactness_runner(model_dir), exactness_runner(model_dir)
     graphs = cpu_graph_class(PrefillGraphs)(graph_runner, token_buckets=BUCKETS)

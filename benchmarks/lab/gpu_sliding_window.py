@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, after `make install` or `pip install -e .`; about 2 minutes on an H200):
 
-    python3 benchmarks/gpu_sliding_window.py [--context 32768] [--window 4096] [--json PATH]
+    python3 benchmarks/lab/gpu_sliding_window.py [--context 32768] [--window 4096] [--json PATH]
 
 Shapes: Mistral-7B / Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), KV page 32,
 bf16 cache; the soft-capped rows use Gemma 2's cap of 50. Cases:

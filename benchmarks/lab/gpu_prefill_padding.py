@@ -1,4 +1,4 @@
-"""GPU check of the seventh-session review (b) (tests/engine/parallel/test_parallel_prefill_padding.py): padded eager prefill
+"""GPU check (tests/engine/parallel/test_parallel_prefill_padding.py on the CPU): padded eager prefill
 is one GPU's prefill-graph replay, bit for bit, on CUDA; and the ``out_dtype=float32`` cuBLAS path of
 the row-parallel reduction in fp16 and bf16.
 
@@ -21,8 +21,8 @@ product (rel. error vs float64 above 1e-5) or is not float32. Prints how many st
 differs on, and the median step time of each variant per kind of step. About a minute on an H200
 (model writing included).
 
-    python3 benchmarks/gpu_review7b_padding.py [--layers 4] [--steps 60]
-    python3 benchmarks/gpu_review7b_padding.py --device cpu     # dry run with the CPU graph doubles
+    python3 benchmarks/lab/gpu_prefill_padding.py [--layers 4] [--steps 60]
+    python3 benchmarks/lab/gpu_prefill_padding.py --device cpu     # dry run with the CPU graph doubles
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Eighth-session review of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
+"""GPU checks of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
 shapes and dtypes, and the one-load RMSNorm pass's register cost at K = 8192 and 16384.
 
 Usage (one H200 after `pip install -e .`; under a minute):
 
-    python3 benchmarks/gpu_gemv_review8.py [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_shapes.py [--json PATH]
 
 1. Checks (compiled paths the CPU interpreter never runs with real tile sizes): the dispatchers at
    M = 1 (so the launch table's batch-1 rows) for qkv, gate_up, o_proj and down at Llama-3.1-8B,
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_gemv as GB  # noqa: E402
 
 from kvpilot.kernels import gemv as G  # noqa: E402

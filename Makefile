@@ -11,8 +11,9 @@ STAMP := $(VENV)/.installed
 # through its script in .venv/bin, and the venv is created from another directory.
 $(STAMP): pyproject.toml
 	cd / && $(PYTHON) -m venv $(CURDIR)/$(VENV)
-	# The CPU build of torch that lies on disk, first, so that nothing pulls a CUDA build.
-	$(VENV)/bin/pip install -q torch==2.13.0
+	# torch first, so that nothing pulls another build: a torch already in .venv (e.g. a CUDA build
+	# installed by hand, README "Install without make") is kept, else the CPU build that lies on disk.
+	$(VENV)/bin/python -I -c "import torch" 2>/dev/null || $(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -e ".[dev]"
 	touch $(STAMP)
 

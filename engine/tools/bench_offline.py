@@ -146,6 +146,8 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-tokens", type=int, default=8192, help="most tokens in one engine step")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="context limit in tokens (default: input + output length)")
+    p.add_argument("--allow-long-max-seq-len", action="store_true",
+                   help="accept a context limit beyond the model's max_position_embeddings")
     p.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
                    help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
@@ -186,10 +188,14 @@ def _make_llm(args, min_seq_len: int):
     model = Path(args.model)
     tok_dir = Path(args.tokenizer) if args.tokenizer else model
     skip = args.skip_tokenizer_init or not any((tok_dir / f).is_file() for f in _TOKENIZER_FILES)
-    return LLM(str(model), tokenizer=args.tokenizer, skip_tokenizer_init=skip, dtype=args.dtype, device=args.device,
-               max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-               max_seq_len=args.max_seq_len or min_seq_len,
-               kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction))
+    try:
+        return LLM(str(model), tokenizer=args.tokenizer, skip_tokenizer_init=skip, dtype=args.dtype,
+                   device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
+                   max_seq_len=args.max_seq_len or min_seq_len,
+                   allow_long_max_seq_len=args.allow_long_max_seq_len,
+                   kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction))
+    except (FileNotFoundError, ValueError) as exc:  # bad arguments (DeviceUnavailableError included): one line
+        raise SystemExit(f"kvpilot bench: {exc}") from None
 
 
 def _finish(args, result: dict[str, Any]) -> int:

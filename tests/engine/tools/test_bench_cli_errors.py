@@ -1,5 +1,5 @@
-"""`kvpilot bench serve` against a server with an API key: the key comes from --api-key or
-$KVPILOT_API_KEY, and a refusal (HTTP 401) is one line on stderr, not a traceback."""
+"""`kvpilot bench` errors are one line: `bench serve` against a server with an API key (the key from --api-key or
+$KVPILOT_API_KEY; a refusal, HTTP 401, is one line, not a traceback) and offline benchmarks with bad arguments."""
 
 from __future__ import annotations
 
@@ -73,3 +73,13 @@ def test_unreachable_server_is_one_line():
     proc = _bench(f"http://127.0.0.1:{free_port()}")
     assert proc.returncode == 1
     assert "cannot reach" in _one_line(proc.stderr)
+
+
+def test_offline_benchmark_bad_arguments_are_one_line(stories_model_dir):
+    """`kvpilot bench latency` on stories260K (512 positions) with 1,000 + 1,000 tokens: one line."""
+    proc = subprocess.run([KVPILOT, "bench", "latency", "--model", str(stories_model_dir), "--device", "cpu",
+                           "--input-len", "1000", "--output-len", "1000"], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    assert proc.returncode == 1
+    problems = "\n".join(ln for ln in proc.stderr.splitlines() if " INFO " not in ln)  # the engine's start-up log
+    assert "kvpilot bench: max_seq_len 2000 is beyond this model's 512 positions" in _one_line(problems)

@@ -6,6 +6,11 @@ Create-then-merge-patch is correct on both, provided the patch also removes what
 before and no longer renders. So each child records the fields kvpilot last applied in an
 annotation (as ``kubectl apply`` does) and the patch nulls the keys that disappeared.
 
+Only objects that carry kvpilot's ownership are written: a controller ownerReference to the
+LLMDeployment, or (a child created before its owner had a uid) the last-applied annotation. An
+object of the same name that another tool created is left untouched (`NotOwnedError`), as
+controller-runtime operators refuse to adopt what they do not own.
+
 Owned fields: ``metadata.labels``, ``metadata.ownerReferences``, the last-applied annotation
 and the whole ``spec`` of every rendered object. A child whose owned fields already match
 (server-side defaults and canonicalised quantities ignored) is left alone, so a settled
@@ -263,11 +268,17 @@ def _check_controller(live: dict[str, Any], desired: dict[str, Any]) -> None:
     wanted = [r for r in desired["metadata"].get("ownerReferences") or [] if r.get("controller")]
     if not wanted:
         return
-    live_refs = [r for r in (live.get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")]
+    live_meta = live.get("metadata") or {}
+    live_refs = [r for r in live_meta.get("ownerReferences") or [] if r.get("controller")]
+    where = f"{desired['kind']} {desired['metadata']['namespace']}/{desired['metadata']['name']}"
     if live_refs and live_refs[0].get("uid") != wanted[0]["uid"]:
-        raise NotOwnedError(f"{desired['kind']} {desired['metadata']['namespace']}/{desired['metadata']['name']} "
-                            f"is controlled by {live_refs[0].get('kind')} {live_refs[0].get('name')}, not by this "
-                            f"{KIND}; rename one of them")
+        raise NotOwnedError(f"{where} is controlled by {live_refs[0].get('kind')} {live_refs[0].get('name')}, not by "
+                            f"this {KIND}; rename one of them")
+    if not live_refs and LAST_APPLIED not in (live_meta.get("annotations") or {}):
+        # Created by someone else (kubectl, Helm, another operator): adopting it would rewrite it.
+        raise NotOwnedError(f"{where} already exists and was not created by kvpilot (no controller ownerReference, "
+                            f"no {LAST_APPLIED} annotation); it is left as it is: delete or rename it, or rename "
+                            f"this {KIND}")
 
 
 def _get_path(obj: Any, path: tuple[str, ...]) -> Any:
@@ -304,7 +315,8 @@ def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None =
         live: the object as just read or watched; read with a GET when not given.
 
     Raises:
-        NotOwnedError: the name is taken by an object another controller owns.
+        NotOwnedError: the name is taken by an object another controller owns, or that another
+            tool created (no ownerReference or last-applied annotation of kvpilot's).
         ApiError: the API server refused a request.
     """
     kind, meta = obj["kind"], obj["metadata"]

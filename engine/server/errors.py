@@ -31,6 +31,9 @@ _TYPES = {
 }
 
 
+RETRY_AFTER_S = 5  # the ``Retry-After`` of a 503 (model loading, server draining), seconds
+
+
 class APIError(Exception):
     """An error to send to the client as OpenAI's error body with HTTP ``status``."""
 
@@ -49,6 +52,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.status == 503:  # loading or draining: worth retrying, elsewhere or a little later
+            headers = {"Retry-After": str(RETRY_AFTER_S)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

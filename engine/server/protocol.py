@@ -177,11 +177,21 @@ class CompletionLogprobs(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """One choice; ``prompt_logprobs`` (vLLM's) is present when the request asked for it."""
+
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, dict[str, Any]]]]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler):
+        body = handler(self)
+        if body.get("prompt_logprobs") is None:
+            body.pop("prompt_logprobs", None)
+        return body
 
 
 class UsageInfo(BaseModel):

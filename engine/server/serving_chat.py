@@ -27,16 +27,16 @@ from kvpilot.server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, C
 from kvpilot.server.sampling import generation_defaults, chat_max_tokens, chat_params, check_context
 from kvpilot.server.serving_completion import check_model, params_n, submit
 from kvpilot.server.state import ServerState
-from kvpilot.server.streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_text, until_disconnect,
-                        wait_all)
+from kvpilot.server.streaming import (SSE_DONE, EngineStreamingResponse, sse, stream_deltas, token_bytes, token_text,
+                        until_disconnect, wait_all)
 
 logger = logging.getLogger(__name__)
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, Logprob]],
                   top_n: int) -> ChatChoiceLogprobs:
-    """OpenAI's chat ``logprobs.content``: per token its text, logprob, UTF-8 bytes and the ``top_n``
-    most likely alternatives (by rank)."""
+    """OpenAI's chat ``logprobs.content``: per token its text, logprob, bytes (the token's own: a
+    byte-fallback token's byte, not U+FFFD's UTF-8) and the ``top_n`` most likely alternatives (by rank)."""
     content = []
     for tok, entry in zip(token_ids, entries):
         chosen = entry.get(tok)
@@ -44,9 +44,9 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, 
         top = sorted((v.rank or 0, t, v) for t, v in entry.items() if v.rank is not None and v.rank <= top_n)
         content.append(ChatLogprobEntry(
             token=text, logprob=chosen.logprob if chosen is not None else float("-inf"),
-            bytes=list(text.encode("utf-8")),
+            bytes=token_bytes(tokenizer, tok, text),
             top_logprobs=[ChatLogprob(token=(s := token_text(tokenizer, t, v)), logprob=v.logprob,
-                                      bytes=list(s.encode("utf-8"))) for _, t, v in top[:top_n]]))
+                                      bytes=token_bytes(tokenizer, t, s)) for _, t, v in top[:top_n]]))
     return ChatChoiceLogprobs(content=content)
 
 

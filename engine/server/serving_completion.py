@@ -23,8 +23,8 @@ from kvpilot.server.protocol import (CompletionChoice, CompletionLogprobs, Compl
                        CompletionStreamResponse, UsageInfo, random_id)
 from kvpilot.server.sampling import generation_defaults, check_context, completion_params
 from kvpilot.server.state import ServerState
-from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_text,
-                        until_disconnect, wait_all)
+from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_bytes,
+                        token_text, until_disconnect, wait_all)
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,21 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
 class _LogprobWriter:
     """Builds the legacy ``logprobs`` object of one choice.
 
-    ``text_offset`` is the running sum of the token strings' lengths, prompt tokens (BOS included)
-    first when echoing, as vLLM computes it.
+    ``text_offset`` is the character offset of each token in the choice's text (prompt tokens
+    first when echoing): the running sum of the token strings' lengths, where a special token
+    that the text leaves out (BOS, with ``skip_special_tokens``) adds nothing.
+
+    ``top_logprobs`` is keyed by token string; when several tokens decode to the same string
+    (byte-fallback pieces all showing U+FFFD), the later ones are keyed ``bytes:\\xNN...`` (their
+    own bytes, OpenAI's form for text that is not valid UTF-8), or ``token_id:N`` if that is taken
+    too, so that the dict always holds every alternative asked for.
     """
 
-    def __init__(self, tokenizer: Any, offset: int = 0) -> None:
+    def __init__(self, tokenizer: Any, offset: int = 0, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.offset = offset
+        special = getattr(tokenizer, "all_special_ids", None) if skip_special_tokens else None
+        self.silent = frozenset(special or ())
 
     def add(self, lp: CompletionLogprobs, token_ids: list[int],
             entries: list[Optional[dict[int, Logprob]]]) -> None:
@@ -85,10 +93,30 @@ class _LogprobWriter:
             text = token_text(self.tokenizer, tok, chosen)
             lp.tokens.append(text)
             lp.text_offset.append(self.offset)
-            self.offset += len(text)
+            if tok not in self.silent:
+                self.offset += len(text)
             lp.token_logprobs.append(chosen.logprob if chosen is not None else None)
-            lp.top_logprobs.append(None if entry is None else
-                                   {token_text(self.tokenizer, t, v): v.logprob for t, v in entry.items()})
+            lp.top_logprobs.append(None if entry is None else self._top(entry))
+
+    def _top(self, entry: dict[int, Logprob]) -> dict[str, float]:
+        top: dict[str, float] = {}
+        for t, v in entry.items():
+            key = token_text(self.tokenizer, t, v)
+            if key in top:
+                key = "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes(self.tokenizer, t, key))
+            if key in top:
+                key = f"token_id:{t}"
+            top[key] = v.logprob
+        return top
+
+
+def _prompt_logprobs_body(out: RequestOutput) -> Optional[list[Optional[dict[str, dict[str, Any]]]]]:
+    """vLLM's ``prompt_logprobs`` of a choice: per prompt token (the first None) {token id: {logprob,
+    rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": v.logprob, "rank": v.rank, "decoded_token": v.decoded_token}
+                                    for t, v in e.items()} for e in out.prompt_logprobs]
 
 
 async def create_completion(state: ServerState, req: CompletionRequest, raw: Request) -> Response:
@@ -115,7 +143,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     max_tokens = min(check_context(len(ids), req.max_tokens, llm.max_seq_len, "max_tokens") for ids in prompt_ids)
     params = completion_params(req, max_tokens, generation_defaults(llm))
     if req.echo:
-        prompt_texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(prompt_texts, prompt_ids)]
+        # A token-id prompt is echoed as its text, without the special tokens (BOS) the text of a
+        # string prompt does not hold either.
+        prompt_texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+                        for t, ids in zip(prompt_texts, prompt_ids)]
     request_id = random_id("cmpl")
     outputs = submit(llm, prompt_ids, params, streaming=bool(req.stream))
     if req.stream:
@@ -146,12 +177,14 @@ def _full_response(req: CompletionRequest, model: str, request_id: str, finished
             lp = None
             if req.logprobs is not None:
                 lp = CompletionLogprobs()
-                writer = _LogprobWriter(tokenizer)
+                writer = _LogprobWriter(tokenizer, skip_special_tokens=req.skip_special_tokens)
                 if req.echo:
                     writer.add(lp, prompt_ids[p], _prompt_entries(out, len(prompt_ids[p])))
                 writer.add(lp, c.token_ids, c.logprobs)
             choices.append(CompletionChoice(index=p * n + c.index, text=prefix + c.text, logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_logprobs=_prompt_logprobs_body(out)
+                                            if req.prompt_logprobs is not None else None))
     usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in finished), completion_tokens)
     return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
@@ -206,7 +239,7 @@ def _choice_chunks(req: CompletionRequest, d: ChoiceDelta, n: int, writers: dict
     lp = None
     first = index not in writers
     if first:
-        writers[index] = _LogprobWriter(tokenizer)
+        writers[index] = _LogprobWriter(tokenizer, skip_special_tokens=req.skip_special_tokens)
     writer = writers[index]
     if req.logprobs is not None:
         lp = CompletionLogprobs()

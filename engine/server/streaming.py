@@ -9,7 +9,9 @@ merged into one stream of them. SSE framing follows OpenAI: ``data: {json}\\n\\n
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
 
@@ -188,6 +190,42 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
         return work.result()
     work.cancel()
     raise ClientDisconnected()
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 byte values (GPT-2's table), inverted:
+    printable Latin-1 bytes stand for themselves, the other 68 are shifted to U+0100 and up."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, shift = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[chr(b)] = b
+        else:
+            table[chr(256 + shift)] = b
+            shift += 1
+    return table
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The UTF-8 bytes a token stands for, for logprobs' ``bytes`` (OpenAI): a byte-fallback piece
+    (``<0xE2>``) or a byte-level BPE token that holds part of a character gives its own bytes, not
+    the UTF-8 of the U+FFFD its decoded text shows; any other token gives ``text`` encoded."""
+    if "\ufffd" not in text or tokenizer is None:
+        return list(text.encode("utf-8"))
+    pieces = tokenizer.convert_ids_to_tokens([token_id])
+    piece = pieces[0] if pieces else None
+    if isinstance(piece, str):
+        m = _BYTE_PIECE.fullmatch(piece)
+        if m:
+            return [int(m.group(1), 16)]
+        table = _byte_level_table()
+        if piece and all(c in table for c in piece):
+            return [table[c] for c in piece]
+    return list(text.encode("utf-8"))
 
 
 def token_text(tokenizer: Any, token_id: int, lp: Optional[Logprob] = None) -> str:

@@ -1,10 +1,10 @@
 """transformers' `generate` at batch 64 (512 prompt tokens, 256 generated) with its default settings.
 
-Issue 6's item 3 compares kvpilot with transformers' `generate` at batch 64. `gpu_bench.py` timed it
-with ``cache_implementation="static"`` (transformers' compile and CUDA graphs, 2,297 output tok/s in
-the first session); this times the call a user writes by default: a dynamic cache, no compile, SDPA
-attention. Same random-weight Llama-3.1-8B-shaped checkpoint and prompts as `gpu_recheck.py
---sections batch64` (64 prompts of 512 tokens, seed 64), greedy, ``min_new_tokens`` = 256 so every
+The batch-64 figure compares kvpilot with transformers' `generate` at batch 64. `gpu_bench.py` timed it
+with ``cache_implementation="static"`` (transformers' compile and CUDA graphs, 2,297 output tok/s on
+an H200); this times the call a user writes by default: a dynamic cache, no compile, SDPA
+attention. Same random-weight Llama-3.1-8B-shaped checkpoint and prompts as `kvpilot bench
+batch64` (64 prompts of 512 tokens, seed 64), greedy, ``min_new_tokens`` = 256 so every
 row generates 256 tokens. One untimed warm-up call of 8 tokens, then ``--runs`` timed calls.
 
     python3 benchmarks/gpu_hf_batch64.py [--runs 2] [--static]

@@ -4,7 +4,7 @@ Usage (one H200, after `pip install -e .`; about 3 minutes, most of it loading 1
 
     python3 benchmarks/gpu_hf_correctness.py [--model-dir /tmp/kvpilot-llama8b-random] [--json PATH]
 
-The issue's checks (GPU path, "Correctness on the GPU"): prefill logits of a 512-token prompt within
+The checks: prefill logits of a 512-token prompt within
 2e-2 relative error (L2: ``||kvpilot - transformers|| / ||transformers||``), and greedy tokens
 identical for 64 steps on at least 90% of 32 prompts, bf16 ties aside. Each is run in float32 and in
 bf16, with the same checkpoint (stored in bf16; float32 runs upcast it exactly):

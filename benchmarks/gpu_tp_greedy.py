@@ -1,8 +1,8 @@
 """Greedy tokens of TP 2 and PP 2 against one GPU in bf16, and TP 2's batch-1 ITL (two H200s).
 
-Issue 9 asks that TP 2 and PP 2 reproduce the single-GPU greedy tokens of the Llama-3.1-8B-shaped
+The goal is that TP 2 and PP 2 reproduce the single-GPU greedy tokens of the Llama-3.1-8B-shaped
 model. On random weights the top logits of a step are close together, so any change in rounding
-flips near-ties after a few tokens. Two causes were examined (seventh session):
+flips near-ties after a few tokens. Two causes were examined:
 
 - TP: the row-parallel projections (``o_proj``, ``down_proj``) sum bf16-rounded partial products
   in a bf16 all-reduce, two extra roundings per projection. ``KVPILOT_TP_REDUCE_FP32=1`` reduces in
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "lab")]
 from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 from gpu_tp_profile import _layout  # noqa: E402
 

@@ -27,6 +27,7 @@ from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (Engin
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
+from kvpilot.text import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this LLM was created with skip_tokenizer_init=True: give prompts as token ids")
+            check_text("prompt", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             if not ids and self.model_config.bos_token_id is not None:
                 ids = [self.model_config.bos_token_id]
@@ -214,7 +216,8 @@ class LLM:
         """Generate for one prompt or a batch; results in input order.
 
         Args:
-            inputs: a string, a list of token ids, or a list of either.
+            inputs: a string, a list of token ids, or a list of either. ``[]`` is one empty token-id
+                prompt: the BOS token alone, or a ValueError on a model without one.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over finished requests.
         Returns:
@@ -223,8 +226,9 @@ class LLM:
         if not isinstance(inputs, (str, list, tuple)):
             raise TypeError(f"inputs must be a string, a list of token ids, or a list of those, "
                             f"got {type(inputs).__name__}")
-        single = isinstance(inputs, str) or (inputs != [] and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in inputs))
+        # An empty list is one empty token-id prompt (BOS alone; an error without a BOS token), as
+        # for `generate_async`, not an empty batch.
+        single = isinstance(inputs, str) or all(isinstance(t, int) and not isinstance(t, bool) for t in inputs)
         prompts = [list(inputs) if not isinstance(inputs, str) else inputs] if single else list(inputs)
         if isinstance(sampling_params, (list, tuple)):
             if len(sampling_params) != len(prompts):
@@ -372,7 +376,7 @@ def _make_executor(llm: LLM, device: str, dtype: str):
     from kvpilot.runner.model_runner import ModelRunner
 
     if llm.tensor_parallel_size * llm.pipeline_parallel_size > 1:
-        from kvpilot.parallel.executor import MultiprocExecutor  # noqa: F401  (issue: tensor/pipeline parallelism)
+        from kvpilot.parallel.executor import MultiprocExecutor
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,

@@ -19,6 +19,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+# The engine loop's thread (`kvpilot.core.engine_loop`): an abort called there cannot wait for itself.
+ENGINE_THREAD_NAME = "kvpilot-engine"
+_ABORT_WAIT_S = 10.0  # how long `RequestOutput.abort` waits for the engine to end the request
+
 
 class RequestError(RuntimeError):
     """The engine could not complete a request (the message says why)."""
@@ -248,7 +252,7 @@ class RequestOutput:
         try:
             await self._wait_async_inner(ready)
         except asyncio.CancelledError:
-            self.abort()  # a cancelled waiter means nobody wants the result: free the KV blocks
+            self.abort(wait=False)  # a cancelled waiter means nobody wants the result: free the KV blocks
             raise
 
     async def _wait_async_inner(self, ready: Callable[[], bool]) -> None:
@@ -275,37 +279,109 @@ class RequestOutput:
             return _self().__await__()
         return self.aresult().__await__()
 
-    def __aiter__(self) -> "RequestOutput":
-        return self
+    def __aiter__(self) -> "_AsyncStream":
+        # A separate iterator object, so that leaving the loop (which drops it) can abort the request.
+        return _AsyncStream(self)
 
     async def __anext__(self) -> "RequestOutput":
         if self._yielded_final:
             raise StopAsyncIteration
-        await self._wait_async(lambda: bool(self._updates))
+        await self._wait_async(self._chunk_ready)
         return self._next_chunk()
 
     def __iter__(self):
-        while not self._yielded_final:
-            self._wait_sync(lambda: bool(self._updates))
-            yield self._next_chunk()
+        # A generator: leaving the loop closes it (at once, or when it is garbage-collected), and
+        # the ``finally`` aborts a request that has not finished.
+        try:
+            while not self._yielded_final:
+                self._wait_sync(self._chunk_ready)
+                yield self._next_chunk()
+        finally:
+            if not self._yielded_final:
+                self.abort(wait=False)
+
+    def _chunk_ready(self) -> bool:
+        return bool(self._updates) or (self.finished and not self._yielded_final)
 
     def _next_chunk(self) -> "RequestOutput":
         with self._cond:
-            update = self._updates.popleft()
-        self._apply(update)
+            update = self._updates.popleft() if self._updates else None
+        if update is not None:
+            self._apply(update)
         self._raise_if_failed()
         if self.finished:
             self._yielded_final = True
         return self
 
-    def abort(self) -> None:
-        """Cancel the request; its KV blocks return to the pool at the next engine step."""
-        if self._abort_fn is not None and not self._done_received:
-            self._abort_fn(self.request_id)
+    def abort(self, wait: bool = True) -> None:
+        """Cancel the request.
+
+        With ``wait`` (the default), returns once the engine has ended it: ``finished`` is True, the
+        unfinished choices have finish_reason "abort" and their KV blocks are back in the pool (a
+        streaming consumer's next chunk then raises `RequestAborted`). Without ``wait`` the abort is
+        queued and takes effect before the engine's next step. A request that has already finished
+        is left as it is.
+        """
+        if self._abort_fn is None or self._done_received:
+            return
+        self._abort_fn(self.request_id)
+        if not wait or threading.current_thread().name == ENGINE_THREAD_NAME:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self._done_received, timeout=_ABORT_WAIT_S)
+        if self._done_received:
+            self._apply_merged()
+
+    def _apply_merged(self) -> None:
+        """Apply every pending update as one chunk (``text_diff`` and the like span all of them)."""
+        with self._cond:
+            updates = list(self._updates)
+            self._updates.clear()
+        if not updates:
+            return
+        prev = {o.index: (len(o.text), len(o.token_ids), len(o.logprobs)) for o in self.outputs}
+        replaced = set()
+        for u in updates:
+            self._apply(u)
+            replaced.update(d.index for d in u.deltas if d.replace)
+        for o in self.outputs:
+            if o.index in replaced:
+                o._prev_text_len = o._prev_token_len = o._prev_logprobs_len = 0
+            else:
+                o._prev_text_len, o._prev_token_len, o._prev_logprobs_len = prev[o.index]
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
                 f"outputs={self.outputs!r}, finished={self.finished})")
+
+
+class _AsyncStream:
+    """``async for`` over a `RequestOutput`: yields it after every engine step.
+
+    Leaving the loop early (``break``, an exception, the iterator garbage-collected) aborts the
+    request, as leaving a vLLM or TensorRT-LLM stream does: its KV blocks go back to the pool.
+    """
+
+    __slots__ = ("_out", "__weakref__")
+
+    def __init__(self, out: RequestOutput) -> None:
+        self._out = out
+
+    def __aiter__(self) -> "_AsyncStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._out.__anext__()
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._out._yielded_final:
+            self._out.abort(wait=False)
+
+    def __del__(self) -> None:
+        self._close()
 
 
 class EngineDeadError(RuntimeError):

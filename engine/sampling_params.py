@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
+from kvpilot.text import check_text
+
 
 MAX_N = 128  # OpenAI's limit on `n`; also bounds `best_of` (sequences one request may hold)
 
@@ -108,6 +110,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for i, s in enumerate(self.stop):
+            check_text(f"stop[{i}]", s)
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
         self.bad_token_ids = _int_list("bad_token_ids", self.bad_token_ids)
         if self.allowed_token_ids is not None:
@@ -118,6 +122,8 @@ class SamplingParams:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w for w in self.bad_words):
                 raise TypeError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
             self.bad_words = list(self.bad_words)
+            for i, w in enumerate(self.bad_words):
+                check_text(f"bad_words[{i}]", w)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError("logit_bias must be a dict {token_id: bias}")

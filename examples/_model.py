@@ -1,6 +1,6 @@
 """Where the examples find a model: $KVPILOT_MODEL, else stories260K converted into the cache.
 
-The seed's examples name Hub models (TinyLlama, Llama-3.1-8B); here they run as written against the
+The API documentation's examples name Hub models (TinyLlama, Llama-3.1-8B); here they run as written against the
 real, tiny stories260K model, so that they need no network and no GPU.
 """
 

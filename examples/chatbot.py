@@ -1,4 +1,4 @@
-"""The seed's Chat Application example (reads lines from stdin; 'quit' ends it).
+"""The API documentation's Chat Application example (reads lines from stdin; 'quit' ends it).
 
 stories260K ships without a chat template, so one is set on the tokenizer first (a model with its
 own template in tokenizer_config.json needs no such line).

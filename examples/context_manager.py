@@ -1,4 +1,4 @@
-"""The seed's Context Manager example."""
+"""The API documentation's Context Manager example."""
 
 from _model import MODEL
 from kvpilot import LLM, SamplingParams

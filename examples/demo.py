@@ -1,4 +1,4 @@
-"""`make demo`: convert stories260K, run the seed's quick-start through the Python API, then (when
+"""`make demo`: convert stories260K, run the API documentation's quick start through the Python API, then (when
 the server is installed) start `kvpilot serve` and talk to it with the official `openai` client."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def main() -> None:
     from _model import MODEL
 
     print(f"== model: {MODEL}\n")
-    print("== the seed's Quick Start (Python API)\n")
+    print("== the API documentation's Quick Start (Python API)\n")
     runpy.run_path(str(HERE / "quickstart.py"), run_name="__main__")
     from kvpilot import LLM, SamplingParams
 

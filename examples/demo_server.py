@@ -1,7 +1,7 @@
 """`make demo`: start `kvpilot serve` on the stories260K model, call it with the openai client, stop it.
 
 Sends one completion and one streamed chat request and prints them. stories260K has no chat
-template, so the server gets a minimal one by --chat-template (the messages' contents, in order).
+template, so the server gets kvpilot's bundled `plain` one (the messages' contents, in order).
 Run it with the project's interpreter: `.venv/bin/python examples/demo_server.py`.
 """
 
@@ -16,15 +16,13 @@ import openai
 from kvpilot.tools.convert_llama2c import ensure_stories260k
 from kvpilot.server.launcher import ServerProcess
 
-CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per HTTP request
     model_dir = ensure_stories260k()
     t0 = time.monotonic()
-    with ServerProcess(model_dir, ["--served-model-name", "stories260K", "--chat-template", CHAT_TEMPLATE]) as srv:
+    with ServerProcess(model_dir, ["--served-model-name", "stories260K", "--chat-template", "plain"]) as srv:
         print(f"kvpilot serve is up at {srv.url} after {time.monotonic() - t0:.1f} s")
         client = openai.OpenAI(base_url=srv.base_url, api_key="unused")
 

@@ -1,4 +1,4 @@
-"""The seed's `generate()` and `generate_async(..., streaming=True)` examples."""
+"""The API documentation's `generate()` and `generate_async(..., streaming=True)` examples."""
 
 import asyncio
 

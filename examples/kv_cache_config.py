@@ -1,4 +1,4 @@
-"""The seed's "KV Cache Configuration": pool size, block reuse, an FP8 KV cache and the block size."""
+"""The API documentation's "KV Cache Configuration": pool size, block reuse, an FP8 KV cache and the block size."""
 
 from _model import MODEL
 from kvpilot import LLM, SamplingParams

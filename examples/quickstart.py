@@ -1,4 +1,4 @@
-"""The seed's Quick Start: synchronous batch generation."""
+"""The API documentation's Quick Start: synchronous batch generation."""
 
 from _model import MODEL
 from kvpilot import LLM, SamplingParams

@@ -1,4 +1,4 @@
-"""The seed's asynchronous Quick Start: concurrent generate_async calls share batches."""
+"""The API documentation's asynchronous Quick Start: concurrent generate_async calls share batches."""
 
 import asyncio
 

@@ -1,4 +1,4 @@
-"""The seed's full SamplingParams example."""
+"""The API documentation's full SamplingParams example."""
 
 from _model import MODEL
 from kvpilot import LLM, SamplingParams

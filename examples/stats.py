@@ -1,4 +1,4 @@
-"""The seed's Runtime Statistics and Async Statistics examples."""
+"""The API documentation's Runtime Statistics and Async Statistics examples."""
 
 import asyncio
 

@@ -1,4 +1,4 @@
-"""The seed's Streaming Responses example."""
+"""The API documentation's Streaming Responses example."""
 
 import asyncio
 

@@ -58,7 +58,7 @@ def block_size(n: int) -> int:
     """Elements per program for an all-reduce of ``n`` elements: 256, or more where 256 would need
     more than 1,024 programs (a power of two). On two H200s 256 was fastest at 8 KB to 512 KB of
     bf16 (3.2 against 3.4 us at 1024 for 8 KB; ``benchmarks/lab/gpu_allreduce.py --block-sweep``,
-    BENCHMARKS.md tenth session), and 1,024 programs stay resident on one GPU at once."""
+    BENCHMARKS.md), and 1,024 programs stay resident on one GPU at once."""
     return max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(n, MAX_PROGRAMS)))
 
 

@@ -55,9 +55,9 @@ TUNING = {
         "batch_maxnreg_fp8": 168,
         # Launches without context splits rescale the running output only in key tiles where a
         # row's max moved (alpha is exactly 1 otherwise). FP8 cache, batch 492 x 1,200 keys: 386.4
-        # instead of 402.7 us per layer (H200, BENCHMARKS.md sixth session). Not bit-identical on
+        # instead of 402.7 us per layer (H200, BENCHMARKS.md). Not bit-identical on
         # the GPU: the tensor-core sum then accumulates into acc instead of being added to acc *
-        # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp (seventh session). Split launches
+        # alpha, so 1-3 of ~400k outputs differ by one bf16 ulp. Split launches
         # (long contexts at small batch) keep the eager update: lazy measured 6-8% slower there.
         "lazy_rescale": True,
         # Decode-only batches of at most this many sequences run `rotary_decode_attention_triton`
@@ -80,8 +80,8 @@ TUNING = {
         # address registers; per cache dtype. One warp per program keeps the row max, the row sum and
         # the probabilities in registers (no barrier per page). H200, FP8 cache, one layer, batch x
         # ~1,200 keys: 91 / 197 / 278 / 327 us at batch 128 / 256 / 384 / 492 against 142 / 227 / 315
-        # / 421 us with `_decode_kernel` (75-87% of the copy rate against 52-71%; BENCHMARKS.md,
-        # fourteenth session); 2 or 4 warps were slower than the pointer kernel at batch 492. bf16
+        # / 421 us with `_decode_kernel` (75-87% of the copy rate against 52-71%; BENCHMARKS.md);
+        # 2 or 4 warps were slower than the pointer kernel at batch 492. bf16
         # cache, batch 256 / 492: 301 / 566 us against 317 / 570 us.
         "batch_tma": True,
         "batch_tma_fp8": True,

@@ -298,7 +298,7 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             NUM_HEADS=S.num_heads, SPLITS_PAD=triton.next_power_of_2(splits),
             HEAD_DIM=S.head_dim, HEAD_DIM_PAD=S.head_dim_pad, BLOCK_N=block_n, MIN_SPLIT=min_split,
             # One warp holds SPLITS_PAD x HEAD_DIM_PAD fp32 partials: past 16 splits of 128 dims
-            # ptxas spilled registers (tests/compile_kernels.py), so more warps share them.
+            # ptxas spilled registers (tools/compile_kernels.py), so more warps share them.
             num_warps=1 if triton.next_power_of_2(splits) * S.head_dim_pad <= 16 * 128 else 4,
             USE_PDL=pdl > 0, WINDOWED=S.window > 0, **launch_options(pdl),
         )  # fmt: skip
@@ -337,7 +337,7 @@ def _tma_decode_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 # Largest TMA box (one page of one kv head) `_decode_tma_kernel` takes: the engine's bf16 page (32 x
 # 128 x 2 bytes). Its shared memory grows with the box (K and V, several pipeline buffers, the
 # score/probability exchange): a 64 KB box (bf16, 256 x 128) needed 266 KB against an H200's 227 KB
-# (sm_90 compile, tests/compile_kernels.py).
+# (sm_90 compile, tools/compile_kernels.py).
 _TMA_MAX_BOX_BYTES = 8192
 
 

@@ -59,7 +59,7 @@ def _rotary_decode_kernel(
     # With PDL (kernels/pdl.py) this kernel waits for the QKV projection only after loading the
     # step's metadata and the rotary table below: no kernel of the step writes them (the metadata is
     # copied before its first kernel). On an H200, 0.9-1.0 us less per layer at 512-16,384 keys
-    # (BENCHMARKS.md, thirteenth session). tests/pdl_order_check.py allows these loads (EARLY_LOADS).
+    # (BENCHMARKS.md). tools/pdl_order_check.py allows these loads (EARLY_LOADS).
     pdl_trigger(USE_PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,7 +114,7 @@ def _rotary_decode_kernel(
                      _to_cache(v_new, v_cache_ptr, SATURATE), mask=d_ok)
         # The whole program reads the slot below: its writes are visible to the CTA after a barrier.
         # (Taking the new key from registers instead, the loop stopping short of it, measured slower
-        # in the engine: BENCHMARKS.md, thirteenth session.)
+        # in the engine: BENCHMARKS.md.)
         tl.debug_barrier()
     acc, m_i, l_i = _attend_keys(
         q, scale_log2, k_cache_ptr, v_cache_ptr, bt_row, kv_head, kv_start, kv_end, d, d_ok,

@@ -299,7 +299,7 @@ NORM_ONE_LOAD_MAX = 4096
 """Largest ``block_m * next_pow2(K)`` for the one-load RMSNorm pass (``launch_config``), which also
 gates ``early_weight``: measured at K = 4096 (Llama-3.1-8B). Above it ptxas needs more registers
 than the launch table's programs per SM allow (K = 16384: 164 for the ``vec`` row, 250 for gate/up's,
-from a CPU compile for sm_90; tests/test_review_session8.py), so larger hidden sizes keep the
+from a CPU compile for sm_90; tests/kernels/test_gemv_batch_one.py), so larger hidden sizes keep the
 K-tile loop until measured."""
 
 
@@ -309,7 +309,7 @@ _cfg = launch_config
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
 # GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
 # 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
-# (bf16 or FP8 KV cache; BENCHMARKS.md twelfth session). A "tma" row would keep an fma row behind it
+# (bf16 or FP8 KV cache; BENCHMARKS.md). A "tma" row would keep an fma row behind it
 # for the weights and devices TMA cannot serve.
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
@@ -538,7 +538,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
         PDL: tl.constexpr,
     ):  # fmt: skip
-        # (``PDL`` is the calling kernel's USE_PDL; tests/pdl_order_check.py checks that kernel.)
+        # (``PDL`` is the calling kernel's USE_PDL; tools/pdl_order_check.py checks that kernel.)
         # One column tile: y[:, tile * BLOCK_N : (tile + 1) * BLOCK_N]. With HAS_W0, ``w0`` is its
         # first K tile of weights, already loaded. The next kernel is let in when a program starts
         # its last tile.

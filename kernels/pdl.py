@@ -6,7 +6,7 @@ until that kernel has finished and its memory writes are visible. Each kernel he
 ``griddepcontrol.launch_dependents`` (``gdc_launch_dependents``) on entry, so the next PDL kernel is
 scheduled as early as possible; the batch-1 GEMVs (kernels/gemv.py) call it later, when a program
 starts its last column tile (`pdl_wait` on entry, `pdl_trigger` then): 129.5 against 130.8 us per
-decoder layer, three runs each (H200, BENCHMARKS.md seventh session). The gap between two kernels
+decoder layer, three runs each (H200, BENCHMARKS.md). The gap between two kernels
 (the next one's launch and its programs' start) then overlaps the previous kernel's last programs;
 the CUDA Programming Guide, "Programmatic Dependent Launch and Synchronization", describes the
 mechanism. CUDA graphs keep these programmatic edges when the launches are captured.
@@ -19,7 +19,7 @@ once).
 ``KVPILOT_PDL`` (read at each launch, so a CUDA graph keeps the value it was captured with): on by
 default for launches of at most ``PDL_MAX_ROWS`` tokens or sequences (decode at small batch, where
 the gaps between kernels are a measurable share of a step: batch-1 ITL 4.566 -> 4.461 ms on an
-H200, BENCHMARKS.md sixth session); 0 turns it off. Only on Hopper (compute capability 9.x, not
+H200, BENCHMARKS.md); 0 turns it off. Only on Hopper (compute capability 9.x, not
 ROCm), never under the CPU interpreter, and not when this Triton has no ``gdc_wait`` or
 ``launch_pdl``.
 """

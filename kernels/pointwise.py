@@ -170,6 +170,16 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: if the last dimension is odd.
     """
+    return _gated(_silu_and_mul_kernel, x)
+
+
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor:
+    """``kernel(gate) * up`` of ``x`` ``[..., 2 * d]`` (gate|up) -> ``[..., d]`` in ``x.dtype``: one
+    program per (row, BLOCK columns).
+
+    Raises:
+        ValueError: if the last dimension is odd.
+    """
     if x.shape[-1] % 2:
         raise ValueError(f"last dimension must be even (gate|up), got {x.shape[-1]}")
     d = x.shape[-1] // 2
@@ -179,7 +189,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     if x2.shape[0] and d:
         block = min(1024, triton.next_power_of_2(d))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+        kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=4 if block >= 512 else 1
         )
     return out.reshape(*x.shape[:-1], d)
@@ -213,16 +223,4 @@ def gelu_tanh_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: if the last dimension is odd.
     """
-    if x.shape[-1] % 2:
-        raise ValueError(f"last dimension must be even (gate|up), got {x.shape[-1]}")
-    d = x.shape[-1] // 2
-    x2 = x.reshape(-1, 2 * d)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
-    if x2.shape[0] and d:
-        block = min(1024, triton.next_power_of_2(d))
-        _gelu_tanh_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, x2.stride(0), out.stride(0), D=d, BLOCK=block, num_warps=4 if block >= 512 else 1
-        )
-    return out.reshape(*x.shape[:-1], d)
+    return _gated(_gelu_tanh_and_mul_kernel, x)

@@ -4,7 +4,7 @@ These are the ground truth the Triton kernels are tested against, and what the e
 CPU. They are vectorised (no per-token Python loops) because the CPU engine pushes a few hundred
 tiny sequences through them every step.
 
-Conventions (fixed in docs/DESIGN.md and docs/kernels.md):
+Conventions (also in docs/kernels.md):
 
 - KV cache per layer: ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads,
   head_dim]``; ``slot = block_id * block_size + offset_in_block`` (vLLM's paged layout).

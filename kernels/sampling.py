@@ -1136,7 +1136,7 @@ def argmax(logits: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Te
     """``torch.argmax(logits, dim=-1)`` in two launches that spread each row over many programs.
 
     PyTorch's reduction gave a batch-1 row of 128,256 float32 logits to few programs: 27 us on an
-    H200 inside the decode step (BENCHMARKS.md, twelfth session). Here ``CONFIG["chunk"]`` columns per
+    H200 inside the decode step (BENCHMARKS.md). Here ``CONFIG["chunk"]`` columns per
     program (32 programs per row at 128k), then one program per row reduces the chunks.
     Same result as ``torch.argmax``: the first NaN of a row if it has one, else the first maximum.
 

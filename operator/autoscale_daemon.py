@@ -34,6 +34,7 @@ from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import serving_selector, workload_kind
 from .scrape import scrape_workload_pods
 from .status import merge_conditions
+from .status_writer import update_status
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,17 @@ def autoscaling_enabled(spec: Any, **_: Any) -> bool:
 
 
 async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, http: httpx.AsyncClient,
-                         now: float | None = None) -> tuple[float, Decision | None]:
+                         now: float | None = None, history: ScalingHistory | None = None) -> tuple[float, Decision | None]:
     """One scrape-decide-write round for one LLMDeployment.
+
+    Args:
+        history: the windows' history from the previous round of this process; read from
+            ``status.autoscaling`` when None (the first round after a start).
+
+    The status is written only when something other than the history changed (the decision,
+    the rounded metrics, a condition), so an idle or steady deployment causes no writes; the
+    history rides along with those writes, so a restarted operator resumes the windows from the
+    last one.
 
     Returns:
         (seconds until the next round, the decision or None when there was nothing to decide:
@@ -103,18 +113,27 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
     pods = await asyncio.to_thread(client.list, "Pod", namespace, serving_selector(cr))
     samples = await scrape_workload_pods(pods, timeout_s=min(MAX_SCRAPE_TIMEOUT_S, 0.8 * interval), client=http)
     old_status = cr.get("status") or {}
-    try:
-        history = ScalingHistory.from_dict(old_status.get(HISTORY_KEY))
-    except ValueError as exc:
-        logger.warning("%s/%s: starting a new scaling history: %s", namespace, name, exc)
-        history = ScalingHistory()
+    if history is None:
+        try:
+            history = ScalingHistory.from_dict(old_status.get(HISTORY_KEY))
+        except ValueError as exc:
+            logger.warning("%s/%s: starting a new scaling history: %s", namespace, name, exc)
+            history = ScalingHistory()
     now = time.time() if now is None else now
     decision = decide(samples, current, policy, history, now)
 
     if decision.desired_replicas < current and kind == "Deployment":
         await _mark_deletion_costs(client, namespace, name, deletion_costs(samples))
-    await asyncio.to_thread(client.merge_patch, KIND, namespace, name,
-                            {"status": autoscaling_status(decision, old_status, now)}, subresource="status")
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        if not autoscaling_enabled(fresh.get("spec")):
+            return None  # switched off since this round began: the numbers are no longer ours
+        fresh_status = fresh.get("status") or {}
+        wanted = autoscaling_status(decision, fresh_status, now)
+        changed = {k: v for k, v in wanted.items() if k != HISTORY_KEY and fresh_status.get(k) != v}
+        return wanted if changed else None
+
+    await asyncio.to_thread(update_status, client, namespace, name, compute)
     if decision.scaled:
         await asyncio.to_thread(client.merge_patch, kind, namespace, name,
                                 {"spec": {"replicas": decision.desired_replicas}})
@@ -162,13 +181,19 @@ def rescale_event(cr: dict[str, Any], decision: Decision, now: float) -> dict[st
 @kopf.daemon(GROUP, VERSION, PLURAL, id="autoscaler", when=autoscaling_enabled, cancellation_timeout=10.0)
 async def autoscaler(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.DaemonStopped,
                      **_: Any) -> None:
-    """Run :func:`autoscale_once` every ``scrapeIntervalSeconds`` until kopf stops the daemon."""
+    """Run :func:`autoscale_once` every ``scrapeIntervalSeconds`` until kopf stops the daemon or
+    the CR is gone (with no finalizer, kopf may not stop it on deletion)."""
     client: kube.KubeClient = memo.kube
     async with httpx.AsyncClient() as http:
+        history: ScalingHistory | None = None
         while not stopped:
             interval = DEFAULT_INTERVAL_S
             try:
-                interval, _decision = await autoscale_once(client, namespace, name, http)
+                cr = await asyncio.to_thread(client.get, KIND, namespace, name)
+                if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
+                    return
+                interval, decision = await autoscale_once(client, namespace, name, http, history=history)
+                history = decision.history if decision is not None else None
             except (kube.ApiError, httpx.HTTPError, OSError) as exc:
                 logger.warning("%s/%s: autoscaling round failed: %s", namespace, name, exc)
             await stopped.wait(interval)
@@ -176,13 +201,51 @@ async def autoscaler(name: str, namespace: str, memo: kopf.Memo, stopped: kopf.D
         await asyncio.to_thread(_mark_disabled, client, namespace, name)
 
 
+def _without_finalizer(handler_id: str) -> bool:
+    """Let the daemon ``handler_id`` run without a finalizer on its CR.
+
+    kopf puts a finalizer on every object that has a daemon, so that it can stop the daemon
+    before the object goes; while the operator is down that finalizer makes ``kubectl delete``
+    hang. This daemon needs no cleanup (it exits by itself once its CR is gone), so its handler
+    is re-registered with ``requires_finalizer=False``, and kopf then also removes the finalizer
+    from CRs that carry it. This touches kopf's registry internals: when they are not what this
+    expects, the daemon keeps kopf's default (with a finalizer) and a warning says so.
+    Returns True when the handler was changed.
+    """
+    import dataclasses
+
+    try:
+        spawning = kopf.get_default_registry()._spawning
+        handlers = spawning._handlers
+        for i, handler in enumerate(handlers):
+            if handler.id == handler_id:
+                handlers[i] = dataclasses.replace(handler, requires_finalizer=False)
+                return True
+    except (AttributeError, TypeError) as exc:
+        logger.warning("kopf's registry changed (%s): the autoscaler keeps a finalizer on its CRs", exc)
+    return False
+
+
+FINALIZER_FREE = _without_finalizer("autoscaler")
+
+
+DISABLED_CONDITION = {"type": "ScalingActive", "status": "False", "reason": "ScalingDisabled",
+                      "message": "spec.autoscaling.enabled is false; spec.replicas rules"}
+
+
+def disabled_status(status: dict[str, Any], now: str) -> dict[str, Any] | None:
+    """The status patch for a CR whose autoscaling is off: ``ScalingActive=False`` and the
+    autoscaler's numbers and history removed; None when the status already says so."""
+    old = status.get("conditions") or []
+    patch = {"conditions": merge_conditions(old, [DISABLED_CONDITION], now), HISTORY_KEY: None,
+             "kvCacheUtilization": None, "queueLength": None}
+    return {k: v for k, v in patch.items() if status.get(k) != v} or None
+
+
 def _mark_disabled(client: kube.KubeClient, namespace: str, name: str) -> None:
-    cr = client.get(KIND, namespace, name)
-    if cr is None:
-        return
-    old = (cr.get("status") or {}).get("conditions") or []
-    cond = {"type": "ScalingActive", "status": "False", "reason": "ScalingDisabled",
-            "message": "spec.autoscaling.enabled is false; spec.replicas rules"}
-    client.merge_patch(KIND, namespace, name, {"status": {
-        "conditions": merge_conditions(old, [cond], rfc3339(time.time())), HISTORY_KEY: None,
-        "kvCacheUtilization": None, "queueLength": None}}, subresource="status")
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        if autoscaling_enabled(fresh.get("spec")):
+            return None  # switched on again meanwhile
+        return disabled_status(fresh.get("status") or {}, rfc3339(time.time()))
+
+    update_status(client, namespace, name, compute)

@@ -6,7 +6,9 @@ Credentials come from the pod's service account when in a cluster, else from ``K
 Peering (https://kopf.readthedocs.io/en/stable/peering/): replicas of the operator share a
 ``KopfPeering`` object (``ClusterKopfPeering`` when cluster-wide) named ``--peering``. Each
 replica takes a random priority; only the highest-priority live one handles events and the
-others stand by, so two replicas never both act. The chart creates the peering object.
+others stand by, so two replicas never both act. The chart creates the peering object. A replica
+that dies without leaving (a crash, a lost node) is taken over from once its record is older
+than its lifetime, `--peering-lifetime-seconds` (default 15; kopf's own default is 60).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retry-base-seconds", type=float, default=1.0,
                         help="first delay before retrying a failed reconcile (doubles per attempt, with jitter)")
     parser.add_argument("--retry-max-seconds", type=float, default=60.0, help="cap of the retry delay")
+    parser.add_argument("--peering-lifetime-seconds", type=int, default=15,
+                        help="how long a replica's peering record counts as alive: the failover time")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="kopf's liveness endpoint for the pod's probe ('' to disable)")
 
@@ -62,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from .config import OperatorConfig
 
     try:
-        config = OperatorConfig(retry_base_s=args.retry_base_seconds, retry_max_s=args.retry_max_seconds)
+        config = OperatorConfig(retry_base_s=args.retry_base_seconds, retry_max_s=args.retry_max_seconds,
+                                peering_lifetime_s=args.peering_lifetime_seconds)
     except ValueError as exc:
         raise SystemExit(f"kvpilot operator: {exc}") from exc
 

@@ -21,17 +21,22 @@ class OperatorConfig:
         retry_base_s: first retry delay in seconds (> 0).
         retry_max_s: cap of the retry delay in seconds (>= retry_base_s).
         retry_jitter: fraction of the delay that is random, 0..1.
+        peering_lifetime_s: how long this replica's peering record counts as alive; a standby
+            takes over at most this long after the active replica died (kopf's default is 60).
     """
 
     retry_base_s: float = 1.0
     retry_max_s: float = 60.0
     retry_jitter: float = 0.5
+    peering_lifetime_s: int = 15
 
     def __post_init__(self) -> None:
         if not self.retry_base_s > 0:
             raise ValueError(f"retry_base_s must be > 0, got {self.retry_base_s}")
         if self.retry_max_s < self.retry_base_s:
             raise ValueError(f"retry_max_s ({self.retry_max_s}) must be >= retry_base_s ({self.retry_base_s})")
+        if self.peering_lifetime_s < 2:
+            raise ValueError(f"peering_lifetime_s must be >= 2, got {self.peering_lifetime_s}")
         if not 0 <= self.retry_jitter <= 1:
             raise ValueError(f"retry_jitter must be in 0..1, got {self.retry_jitter}")
 

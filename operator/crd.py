@@ -165,6 +165,11 @@ def _cel_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
         for key, sub in schema.get("properties", {}).items():
             if key in value and value[key] is not None:
                 errors += _cel_errors(value[key], sub, f"{path}.{key}" if path else key)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict) and "properties" not in schema:
+            for key, item in value.items():
+                if item is not None:
+                    errors += _cel_errors(item, extra, f"{path}.{key}" if path else key)
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for i, item in enumerate(value):
             errors += _cel_errors(item, schema["items"], f"{path}[{i}]")

@@ -32,8 +32,9 @@ import kopf
 from . import apply as kube
 from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
-from .render import LWS_API_VERSION, MANAGED_BY, render, workload_kind
+from .render import LWS_API_VERSION, MANAGED_BY, desired_replicas, render, surge_selector, workload_kind
 from .status import desired_status, merge_conditions, now_rfc3339, status_patch
+from .status_writer import update_status
 # Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
 from . import autoscale_daemon  # noqa: F401
 
@@ -54,6 +55,7 @@ def configure(settings: kopf.OperatorSettings, config: OperatorConfig | None = N
     as reconcile retries.
     """
     config = config or OperatorConfig()
+    settings.peering.lifetime = config.peering_lifetime_s
     settings.networking.error_backoffs = [min(config.retry_max_s, config.retry_base_s * 2 ** i) for i in range(8)]
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -142,17 +144,72 @@ def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[d
                     logger: Any) -> None:
     meta = cr["metadata"]
     ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
+    current = workload_kind(cr)
+    objects, retire, surging = surge_plan(client, cr, objects)
     results = [kube.apply(client, obj) for obj in objects]
     changed = [f"{r.kind}:{r.action}" for r in results if r.action != "unchanged"]
     if changed:
         logger.info("applied %s", ", ".join(changed))
-    current = workload_kind(cr)
-    for kind in WORKLOAD_KINDS:
-        if kind != current:
-            kube.delete_if_owned(client, kind, ns, name, uid)
+    if retire:
+        kube.delete_if_owned(client, retire, ns, name, uid)
+        logger.info("the %s is Ready and serves; deleted the %s", current, retire)
     child = client.get(current, ns, name)
-    _write_status(client, cr, child, observed_generation=True,
-                  extra=[_condition(RECONCILED, True, "Applied", "every child matches the spec")])
+    extra = [_condition(RECONCILED, True, "Applied", "every child matches the spec")]
+    if surging:
+        extra.append(_surge_condition(current, surging))
+    _write_status(client, cr, child, observed_generation=True, extra=extra)
+
+
+def _surge_condition(new_kind: str, old_kind: str) -> dict[str, Any]:
+    return _condition("Progressing", True, "Surging",
+                      f"the new {new_kind} is starting; the {old_kind} keeps serving until it is Ready")
+
+
+def workload_ready(workload: dict[str, Any] | None, cr: dict[str, Any]) -> bool:
+    """The workload has as many ready replicas as the CR wants (and has seen its latest spec)."""
+    if workload is None:
+        return False
+    st = workload.get("status") or {}
+    generation = (workload.get("metadata") or {}).get("generation")
+    observed = st.get("observedGeneration")
+    if generation is not None and observed is not None and observed < generation:
+        return False
+    return int(st.get("readyReplicas") or 0) >= max(1, desired_replicas(cr))
+
+
+def surge_plan(client: kube.KubeClient, cr: dict[str, Any], objects: list[dict[str, Any]],
+               new_live: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], str | None, str | None]:
+    """How to cross the one-node boundary without an outage: as a surge.
+
+    While a workload of the other kind (the old shape) still exists, the new one is created
+    next to it and the Service keeps selecting the old workload's serving pods; once the new
+    workload is Ready the Service moves to it, and then the old one is deleted.
+
+    Returns:
+        (the objects to apply, the kind to delete now or None, the old kind while the surge
+        waits for the new workload or None).
+    """
+    meta = cr["metadata"]
+    ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
+    current = workload_kind(cr)
+    old_kind = next(k for k in WORKLOAD_KINDS if k != current)
+    try:
+        old = client.get(old_kind, ns, name)
+    except kube.ApiError as exc:
+        if exc.status != 404:  # the LWS API is not installed: nothing to surge from
+            raise
+        old = None
+    refs = ((old or {}).get("metadata") or {}).get("ownerReferences") or []
+    if old is None or not any(r.get("controller") and r.get("uid") == uid for r in refs):
+        return objects, None, None
+    new = new_live if new_live is not None else client.get(current, ns, name)
+    if workload_ready(new, cr):
+        return objects, old_kind, None
+    held = copy.deepcopy(objects)
+    for obj in held:
+        if obj["kind"] == "Service":
+            obj["spec"]["selector"] = surge_selector(name, old_kind)
+    return held, None, old_kind
 
 
 def _condition(type_: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
@@ -166,14 +223,19 @@ def _report_failure(client: kube.KubeClient, cr: dict[str, Any], reason: str, me
     """
     meta = cr.get("metadata") or {}
     ns, name = meta.get("namespace") or "default", meta.get("name")
-    old = (cr.get("status") or {}).get("conditions") or []
-    prev = next((c for c in old if c.get("type") == RECONCILED), {})
     cond = _condition(RECONCILED, False, reason, message[:1000])
+    previous: dict[str, Any] = {}
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        old = (fresh.get("status") or {}).get("conditions") or []
+        previous.update(next((c for c in old if c.get("type") == RECONCILED), {}))
+        if (previous.get("status"), previous.get("reason"), previous.get("message")) == ("False", reason, cond["message"]):
+            return None
+        return {"conditions": merge_conditions(old, [cond], now_rfc3339())}
+
     try:
-        if (prev.get("status"), prev.get("reason"), prev.get("message")) != ("False", reason, cond["message"]):
-            client.merge_patch(KIND, ns, name, {"status": {"conditions": merge_conditions(old, [cond], now_rfc3339())}},
-                               subresource="status")
-        if (prev.get("status"), prev.get("reason")) != ("False", reason):
+        update_status(client, ns, name, compute)
+        if (previous.get("status"), previous.get("reason")) != ("False", reason):
             client.request("POST", kube.resource_path("v1", "events", ns), warning_event(cr, reason, message))
     except (kube.ApiError, OSError) as exc:
         logger.warning("could not report %s on %s/%s: %s", reason, ns, name, exc)
@@ -218,6 +280,11 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
         objects = render(cr)
     except ValueError:
         return  # reconcile reports it
+    current = workload_kind(cr)
+    retire = surging = None
+    if child["kind"] in (current, "Service"):
+        objects, retire, surging = surge_plan(
+            client, cr, objects, new_live=child if child["kind"] == current and type != "DELETED" else None)
     wanted = next((o for o in objects if o["kind"] == child["kind"]
                    and o["metadata"]["name"] == child["metadata"]["name"]), None)
     if wanted is None:
@@ -230,20 +297,38 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
         logger.info("repaired drift of %s %s/%s: %s", child["kind"], ns, child["metadata"]["name"], result.action)
         if result.action != "unchanged":
             live = client.get(child["kind"], ns, child["metadata"]["name"])
-    if child["kind"] in WORKLOAD_KINDS:
-        _write_status(client, cr, live, observed_generation=False)
+    if retire:  # the new workload has just become Ready: move the Service, then retire the old one
+        for obj in objects:
+            if obj["kind"] == "Service":
+                kube.apply(client, obj)
+        kube.delete_if_owned(client, retire, ns, owner["name"], owner.get("uid"))
+        logger.info("the %s is Ready and serves; deleted the %s", current, retire)
+    if child["kind"] == current:
+        _write_status(client, cr, live, observed_generation=False,
+                      extra=[_surge_condition(current, surging)] if surging else None)
 
 
 def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,
                   observed_generation: bool, extra: list[dict[str, Any]] | None = None) -> None:
-    desired = desired_status(cr, child, now_rfc3339(), observed_generation=observed_generation)
-    if extra:
-        desired["conditions"] = merge_conditions(desired["conditions"], extra, now_rfc3339())
-    patch = status_patch(cr, desired)
-    if patch:
-        meta = cr["metadata"]
-        client.merge_patch(KIND, meta.get("namespace") or "default", meta["name"], {"status": patch},
-                           subresource="status")
+    """Write the status kvpilot owns for ``cr`` (its spec as rendered) and ``child``, computed
+    against a fresh read of the status so that other writers' conditions survive."""
+    meta = cr["metadata"]
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any]:
+        current = {**cr, "status": fresh.get("status") or {}}
+        now = now_rfc3339()
+        desired = desired_status(current, child, now, observed_generation=observed_generation)
+        if extra:
+            desired["conditions"] = merge_conditions(desired["conditions"], extra, now)
+        patch = status_patch(current, desired)
+        scaling = next((c for c in current["status"].get("conditions") or [] if c.get("type") == "ScalingActive"), None)
+        if observed_generation and not cr["spec"]["autoscaling"]["enabled"] and scaling:
+            # Switched off (also while no autoscaler ran, e.g. the operator was down): say so.
+            off = autoscale_daemon.disabled_status({**current["status"], **patch}, now)
+            patch.update(off or {})
+        return patch
+
+    update_status(client, meta.get("namespace") or "default", meta["name"], compute)
 
 
 def _as_dict(body: Any) -> dict[str, Any]:

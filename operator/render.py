@@ -35,6 +35,9 @@ APP_NAME = "kvpilot"
 COMPONENT = "engine"
 MANAGED_BY = "kvpilot-operator"
 OWNER_LABEL = "serving.kvpilot.io/llmdeployment"
+# On engine pods: which workload kind runs them, so that while a shape change crosses the one-node
+# boundary the Service can keep selecting only the old workload's pods.
+WORKLOAD_LABEL = "serving.kvpilot.io/workload"
 
 ENGINE_CONTAINER = "engine"
 HTTP_PORT = 8000  # the engine's port inside the pod; the Service port is spec.service.port
@@ -103,10 +106,21 @@ def selector_labels(name: str) -> dict[str, str]:
 
 def serving_selector(cr: dict[str, Any]) -> dict[str, str]:
     """Labels of the pods that serve HTTP (and /metrics): all pods, or LWS leaders only."""
-    labels = selector_labels(cr["metadata"]["name"])
-    if shape_of(cr["spec"]).multi_node:
+    return serving_selector_of(cr["metadata"]["name"], workload_kind(cr))
+
+
+def serving_selector_of(name: str, kind: str) -> dict[str, str]:
+    """The serving pods of a workload of ``kind`` (``Deployment`` or ``LeaderWorkerSet``)."""
+    labels = selector_labels(name)
+    if kind == "LeaderWorkerSet":
         labels[LWS_WORKER_INDEX_LABEL] = "0"
     return labels
+
+
+def surge_selector(name: str, old_kind: str) -> dict[str, str]:
+    """The Service selector while a new workload of the other kind starts: the old workload's
+    serving pods only (never the new workload's pods, e.g. LWS workers, which serve no HTTP)."""
+    return {**serving_selector_of(name, old_kind), WORKLOAD_LABEL: old_kind}
 
 
 def selector_string(labels: dict[str, str]) -> str:
@@ -255,6 +269,8 @@ def _resources(spec: dict[str, Any], gpus: int) -> dict[str, Any]:
         requests["cpu"] = _quantity(res["cpu"])  # no CPU limit: throttling a GPU feeder only slows it
     if res.get("memory") is not None:
         requests["memory"] = limits["memory"] = _quantity(res["memory"])
+    for name, value in sorted(((spec.get("pod") or {}).get("extraResources") or {}).items()):
+        requests[name] = limits[name] = _quantity(value)  # extended resources: requests == limits
     return {"requests": requests, "limits": limits}
 
 
@@ -262,17 +278,23 @@ def _http_get(path: str = "/health") -> dict[str, Any]:
     return {"path": path, "port": "http"}
 
 
+LIVENESS_PATH = "/v1/health/live"  # 200 while the process is healthy, draining included
+READINESS_FAILURES = 3  # one slow answer must not take a pod out of the Service
+
+
 def _probes(spec: dict[str, Any]) -> dict[str, Any]:
+    """Startup and readiness on ``/health`` (503 while loading or draining); liveness on
+    ``/v1/health/live``, which stays 200 through a drain, so a wedged engine (no answer within
+    10 s, three times in a row) is restarted within about 45 s, drain length notwithstanding."""
     startup_budget = int(spec["startup"]["timeoutSeconds"])
-    drain = PRESTOP_SLEEP_SECONDS + int(spec["engine"]["drainTimeoutSeconds"])
     return {
         # Model loading: /health answers 503 until the engine can serve.
         "startupProbe": {"httpGet": _http_get(), "periodSeconds": STARTUP_PROBE_PERIOD_SECONDS, "timeoutSeconds": 5,
                          "failureThreshold": math.ceil(startup_budget / STARTUP_PROBE_PERIOD_SECONDS)},
-        "readinessProbe": {"httpGet": _http_get(), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1},
-        # /health is 503 while draining; liveness must outlast a full drain or it would kill it.
-        "livenessProbe": {"httpGet": _http_get(), "periodSeconds": LIVENESS_PERIOD_SECONDS, "timeoutSeconds": 10,
-                          "failureThreshold": max(4, math.ceil(drain / LIVENESS_PERIOD_SECONDS) + 1)},
+        "readinessProbe": {"httpGet": _http_get(), "periodSeconds": 5, "timeoutSeconds": 5,
+                           "failureThreshold": READINESS_FAILURES},
+        "livenessProbe": {"httpGet": _http_get(LIVENESS_PATH), "periodSeconds": LIVENESS_PERIOD_SECONDS,
+                          "timeoutSeconds": 10, "failureThreshold": 3},
     }
 
 
@@ -298,6 +320,9 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
     if claim:
         mounts.append({"name": "model-source", "mountPath": MODEL_SOURCE_DIR, "readOnly": True})
         volumes.append({"name": "model-source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    pod_settings = spec.get("pod") or {}
+    mounts += copy.deepcopy(pod_settings.get("extraVolumeMounts") or [])
+    volumes += copy.deepcopy(pod_settings.get("extraVolumes") or [])
 
     ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}] if leader else []
     if shape.multi_node and leader:
@@ -323,9 +348,12 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         "automountServiceAccountToken": False,  # the engine never talks to the API server
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [container],
+        "containers": [container] + copy.deepcopy(pod_settings.get("sidecars") or []),
         "volumes": volumes,
     }
+    for key in ("imagePullSecrets", "serviceAccountName", "priorityClassName", "hostIPC"):
+        if pod_settings.get(key) not in (None, [], ""):
+            pod[key] = copy.deepcopy(pod_settings[key])
     if hub_id:
         # Download once into the storage volume; the engine then loads a local directory, so a
         # pinned revision is honoured and restarts on a PVC skip the download.
@@ -345,9 +373,11 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
 
 
 def _pod_template(cr: dict[str, Any], leader: bool = True) -> dict[str, Any]:
-    return {"metadata": {"labels": common_labels(cr),
-                         "annotations": {"kubectl.kubernetes.io/default-container": ENGINE_CONTAINER}},
-            "spec": _pod_spec(cr, leader)}
+    """Pod labels and annotations: the user's (``spec.pod``) first, kvpilot's own on top."""
+    settings = cr["spec"].get("pod") or {}
+    labels = {**(settings.get("labels") or {}), **common_labels(cr), WORKLOAD_LABEL: workload_kind(cr)}
+    annotations = {**(settings.get("annotations") or {}), "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": _pod_spec(cr, leader)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ layer in one CUDA graph of all layers, alternated ``--rounds`` times:
   round trip instead of 64;
 - ``fused w1`` / ``fused w1 short``: one warp per program at every bound / up to ``fused_long_keys``
   (one warp made the full-batch TMA kernel 13-35% faster: no barrier per key tile).
-(Calls 4 and 5 of the thirteenth session also timed 8 warps, at least 128 keys per split, at most 16
+(Earlier runs also timed 8 warps, at least 128 keys per split, at most 16
 splits, and the metadata loads after the PDL wait: BENCHMARKS.md.)
 
 Each variant's output after one layer must be within 2e-2 of ``unfused``'s and its last layer's

@@ -117,7 +117,7 @@ CANDIDATES = [  # (BLOCK_N, BLOCK_K, stages, warps, programs per SM or 0)
 
 # op -> (prologue, row index of kernels.gemv.CONFIGS[prologue]) for Llama-3.1-8B's TP-1 shapes at M = 1
 ROWS = {"qkv": ("rmsnorm", None), "o_proj": ("plain", None), "gate_up": ("rmsnorm", None), "down": ("silu", None)}
-FMA = {  # the launch rows before the "tma" kind (eighth-session table)
+FMA = {  # the launch rows before the "tma" kind (the vector-summed GEMV table)
     "qkv": dict(kind="fma", block_m=1, block_n=4, block_k=2048, programs_per_sm=8, norm_one_load=True, vec=8),
     "o_proj": dict(kind="fma", block_m=1, block_n=2, block_k=2048, vec=8),
     "gate_up": dict(kind="fma", block_m=1, block_n=8, block_k=1024, programs_per_sm=4, norm_one_load=True,

@@ -141,7 +141,7 @@ def main() -> None:
                   flush=True)
             save()
         if "batch64" in sections:
-            # Issue 6 item 3's workload (gpu_bench.py's transformers baseline: generate at batch 64):
+            # The batch-64 workload (gpu_bench.py's transformers baseline: generate at batch 64):
             # 64 prompts of 512 tokens, 256 generated each, all in flight at once.
             prompts = random_prompts(64, 512, cfg["vocab_size"], seed=64)
             # warm-up on other prompts: the same ones would leave their blocks in the prefix cache

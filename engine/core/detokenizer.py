@@ -25,12 +25,20 @@ def init_offsets(seq: Sequence) -> None:
     seq.read_offset = n
 
 
-def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True) -> str:
-    """Text added by the sequence's latest token(s); '' while a character is incomplete."""
-    ids = seq.token_ids
+def decode_new_text(tokenizer, seq: Sequence, skip_special_tokens: bool = True, final: bool = False,
+                    end: Optional[int] = None) -> str:
+    """Text added by the sequence's latest token(s); '' while a character is incomplete.
+
+    Args:
+        final: the sequence ends here: flush everything held back, an incomplete trailing byte
+            sequence decoded as the tokenizer decodes it (U+FFFD), so that the joined text equals
+            ``tokenizer.decode`` of the output ids.
+        end: decode ``token_ids[:end]`` only (a final stop token whose text is not wanted).
+    """
+    ids = seq.token_ids if end is None else seq.token_ids[:end]
     prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip_special_tokens)
     full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip_special_tokens)
-    if full.endswith("\ufffd") or len(full) < len(prefix):
+    if not final and (full.endswith("\ufffd") or len(full) < len(prefix)):
         return ""
     seq.prefix_offset = seq.read_offset
     seq.read_offset = len(ids)

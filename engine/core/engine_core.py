@@ -218,8 +218,8 @@ class EngineCore:
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
         self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
         self.sampler = Sampler()
-        self.beam_search = BeamSearch(self)  # issue 7: use_beam_search requests
-        self._context_logits: dict[int, list[torch.Tensor]] = {}  # issue 7: return_context_logits
+        self.beam_search = BeamSearch(self)  # use_beam_search requests
+        self._context_logits: dict[int, list[torch.Tensor]] = {}  # return_context_logits
         self.requests: dict[int, Request] = {}
         self.iteration = 0
         self._pending_finished: list[FinishedRequestStats] = []
@@ -353,7 +353,7 @@ class EngineCore:
             max_tokens=req.params.max_tokens, n=req.params.n, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             finished_time=now))
-        ctx = self._context_logits.pop(req.request_id, None)  # issue 7: return_context_logits
+        ctx = self._context_logits.pop(req.request_id, None)  # return_context_logits
         self._outbox.append((req.output, RequestUpdate(deltas=deltas, finished=True, error=error,
                                                        prompt_logprobs=_copy(req.prompt_logprobs_acc),
                                                        context_logits=torch.cat(ctx) if ctx else None)))
@@ -479,7 +479,7 @@ class EngineCore:
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
                     self._prompt_logprobs(seq, p.start_pos, logits[first:row])
-                if seq.params.return_context_logits:  # issue 7
+                if seq.params.return_context_logits:
                     self._keep_context_logits(seq, p.start_pos, logits[first:row])
             # Every token up to here is known on the host now (the in-flight ones were just read),
             # so the prefix cache never hashes a placeholder.
@@ -500,7 +500,7 @@ class EngineCore:
                 rows.append(srow)
                 sample_seqs.append(seq)
                 sample_rows.append(row - 1)
-        # issue 7: beams choose their own tokens (on the host, from this step's logits: never in flight)
+        # beams choose their own tokens (on the host, from this step's logits: never in flight)
         if self._beam_requests and any(s.params.use_beam_search for s in sample_seqs):
             sample_seqs, rows, sample_rows = self.beam_search.step(sample_seqs, rows, sample_rows, logits)
         sampled: list[_Sampled] = []
@@ -836,8 +836,13 @@ class EngineCore:
             entry = {t: Logprob(v, r + 1, self._piece(t, context)) for r, (t, v) in enumerate(zip(ids, vals))}
             entry.setdefault(token, Logprob(e.logprob, rank, self._piece(token, context)))
             seq.pending_logprobs.append(entry)
-        if self.tokenizer is not None and p.detokenize and (not e.stopped_by_token or p.include_stop_str_in_output):
-            new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens)
+        if self.tokenizer is not None and p.detokenize:
+            # At the end, the text held back for an incomplete character is flushed; a stop token's
+            # own text is left out unless asked for.
+            final = seq.finish_reason is not None
+            keep_token = not e.stopped_by_token or p.include_stop_str_in_output
+            new = decode_new_text(self.tokenizer, seq, p.skip_special_tokens, final=final,
+                                  end=None if keep_token else len(seq.token_ids) - 1)
             if new:
                 seq.text += new
                 # A stop string wins over "length" reached by the same token, as it always has.

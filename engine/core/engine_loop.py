@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 from kvpilot.core.engine_core import EngineCore
 from kvpilot.core.sequence import Request
 from kvpilot.core.stats import IterationStats
-from kvpilot.outputs import EngineDeadError
+from kvpilot.outputs import ENGINE_THREAD_NAME, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class EngineLoop:
         self.stat_loggers: list[Callable[[IterationStats], None]] = []
         self._stats: deque[dict[str, Any]] = deque(maxlen=_STATS_KEPT)
         self._stats_cond = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
         self._stopped = threading.Event()
         self._submit_lock = threading.Lock()
         self.error: Optional[BaseException] = None

@@ -26,13 +26,13 @@ Row-parallel reduction in float32 (``KVPILOT_TP_REDUCE_FP32=1``; default 0, read
 built; tensor parallelism with a 16-bit model only): one GPU rounds ``o_proj``'s and ``down_proj``'s
 fp32 accumulation to the model dtype once. Summing per-rank partial products that were each rounded
 to bf16, in a bf16 all-reduce, would round twice more per projection, and on random-weight models
-that moved logits by ~0.1 nat (issue 9). So each rank keeps its partial product in fp32 (the GEMM's
+that moved logits by ~0.1 nat. So each rank keeps its partial product in fp32 (the GEMM's
 or fused GEMV's accumulator, ``out_dtype=torch.float32``), the all-reduce sums fp32, the bias is
 added once in fp32 after it, and the sum is rounded once to the model dtype: then the residual add
 of the next RMSNorm sees what one GPU sees, up to the fp32 summation order. The cost: each
 all-reduce moves twice the bytes (``4 * tokens * hidden`` instead of ``2 *``: 16 KB per reduction
 at batch 1 for hidden 4096, latency-bound), plus one cast kernel per reduction (and one bias add on
-models with biases). Measured on two H200s (BENCHMARKS.md seventh session, Llama-3.1-8B shape,
+models with biases). Measured on two H200s (BENCHMARKS.md, Llama-3.1-8B shape,
 random weights, 8 prompts x 64 greedy tokens): against one GPU the mean logprob difference fell from
 4.4e-2 to 3.6e-2 and the max from 0.156 to 0.125, but no prompt became identical (the rest is fp32
 summation order: cuBLAS algorithms for the halved matrices, attention's context splits over fewer

@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``; issue 9; docs/parallelism.md).
+"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``; docs/parallelism.md).
 
 ``T`` (default 0 = off) is read once when the model is built (`kvpilot.model.llama.LlamaForCausalLM`), so
 spawned workers inherit it. Every layout then computes the decomposition of a TP-``T`` group: TP

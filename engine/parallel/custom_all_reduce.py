@@ -2,7 +2,7 @@
 
 At batch 1 a tensor-parallel decode step of a 32-layer Llama issues 65 all-reduces of one hidden
 vector (8 KB in bf16). NCCL takes about 7.5 us for each on two H200s, and its kernels break the
-PDL chain (kernels/pdl.py) of the Triton kernels around them (BENCHMARKS.md, ninth session).
+PDL chain (kernels/pdl.py) of the Triton kernels around them (BENCHMARKS.md).
 `kvpilot.kernels.allreduce.two_rank_all_reduce` sums such small tensors in one PDL kernel that
 writes straight into the peer GPU's memory.
 
@@ -30,7 +30,7 @@ Switches (read once, at set-up):
 - ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``: the largest all-reduce (in tokens of
   ``hidden_size`` elements) the one-shot kernel takes; larger ones (prefill) use NCCL. Default: 256
   tokens (on two H200s the one-shot kernel beat NCCL at every size up to 256 tokens of Llama-3.1-8B,
-  BENCHMARKS.md tenth session), fewer where the buffers would pass 512 MB. Memory:
+  BENCHMARKS.md), fewer where the buffers would pass 512 MB. Memory:
   ``sites * max_tokens * hidden_size * 4`` bytes per GPU (65 sites x 256 x 4096 x 4 = 273 MB for
   Llama-3.1-8B), taken before the KV cache is sized. Should the two ranks read different values,
   both use the smaller.

@@ -22,7 +22,7 @@ a micro-batch (the plan and the batch sizes are the same everywhere), so the pad
 and its receive agree. Steps with a prefill chunk run eagerly. See `rank_graphs_enabled` for the
 switches.
 
-Same shapes as one GPU (issue 9): one GPU replays prefill steps of up to 256 tokens from graphs
+Same shapes as one GPU: one GPU replays prefill steps of up to 256 tokens from graphs
 captured at padded token counts, so on CUDA every rank pads such eager steps the same way
 (`model_runner.prefill_padding`; off where one GPU would not graph them: ``KVPILOT_CUDA_GRAPHS=0``,
 ``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at the same shapes as one GPU

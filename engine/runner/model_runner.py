@@ -24,7 +24,7 @@ Padded eager prefill (``prefill_pad_buckets``, set by tensor/pipeline-parallel r
 but padded exactly as that graph pads it (`prefill_padding`: the token bucket, its sequence count,
 ``max_query_len`` = the bucket, ``max_seq_len`` = the runner's), so cuBLAS and the attention kernels
 see the shapes one GPU gives them and pick the same algorithms and context splits, hence the same
-rounding (issue 9: unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
+rounding (unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
 
 Async scheduling (``supports_async_scheduling``; `engine_core` explains the engine's side): a step may
 be planned before the previous step's sampled tokens are read. A `ScheduledSeq` with
@@ -514,8 +514,8 @@ class ModelRunner:
         context splits of its own: `_decode_kernel` and `_reduce_kernel` variants follow the split
         count (``SPLITS_PAD``, warps), whether the step uses PDL (at most ``PDL_MAX_ROWS`` sequences)
         and whether the batch fills the GPU; and the greedy rows' arg-max runs outside every graph.
-        On an H200 before this existed (`benchmarks/lab/gpu_concurrency.py`, fourteenth session), the
-        first run at concurrency 1, 4 and 16 spent 0.2-1.0 s compiling.
+        Without this pass, the first run of `benchmarks/lab/gpu_concurrency.py` on an H200 spent
+        0.2-1.0 s compiling at concurrency 1, 4 and 16.
 
         The steps, eager whatever their size (no graph, no graph padding):
         - a 2-token prefill chunk plus ``s - 1`` decode rows for ``s`` = 2, 3, 5, 9, 17, 33, 65 sequences

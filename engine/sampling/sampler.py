@@ -367,7 +367,7 @@ def triton_sampler_enabled() -> bool:
     """``KVPILOT_TRITON_SAMPLER`` (default 1): the "auto" backend uses the sort-free Triton kernels on
     CUDA; 0 selects the PyTorch path. On an H200 (2026-11-30, `benchmarks/lab/sampler_bench.py`, batch
     256) the Triton kernels chose exactly the reference's tokens in every scenario, and the GPU tests
-    of tests/test_sampling_fast.py passed."""
+    of tests/engine/sampling/test_sampling_fast.py passed."""
     return os.environ.get("KVPILOT_TRITON_SAMPLER", "1") not in ("0", "false", "False", "no")
 
 

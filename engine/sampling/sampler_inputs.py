@@ -3,8 +3,8 @@ once) and `Upload` (a call's host arrays sent to the device in one asynchronous 
 
 Why: at serving batch sizes the sampler's kernels take tens of microseconds, so its host work sets
 its cost. Reading ~14 attributes of 256 rows every step, and one small pageable upload per tensor
-(each of which first waits for the work queued on the stream), used to cost more than the kernels.
-Now a row's fixed parameters become a 56-byte record at its first call (the rows of a batch are
+(each of which first waits for the work queued on the stream), would cost more than the kernels.
+So a row's fixed parameters become a 56-byte record at its first call (the rows of a batch are
 joined with one ``bytes.join``), only the output position is read per call, and a call's index and
 parameter arrays travel in one pinned, non-blocking copy.
 """

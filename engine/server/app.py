@@ -32,6 +32,7 @@ from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, Mo
 from kvpilot.server.serving_chat import create_chat_completion
 from kvpilot.server.serving_completion import create_completion
 from kvpilot.server.state import ServerState
+from kvpilot.text import find_invalid_text
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,11 @@ def create_app(state: ServerState, load: Optional[Callable[[], Any]] = None,
             why = f"failed to load: {state.load_error}" if state.load_error else "still loading"
             raise APIError(f"the model is {why}", status=503)
 
-    def _log_unknown(body: Any) -> None:
+    def _check_body(body: Any) -> None:
+        """Refuse text that is not valid Unicode (400 naming the field); log unknown fields."""
+        bad = find_invalid_text(body.model_dump())
+        if bad is not None:
+            raise APIError(bad[1], param=bad[0])
         extra = body.unknown_fields()
         if extra:
             logger.warning("ignoring unknown request fields: %s", ", ".join(extra))
@@ -108,12 +113,12 @@ def create_app(state: ServerState, load: Optional[Callable[[], Any]] = None,
 
     @v1.post("/completions", dependencies=[Depends(require_ready)])
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        _log_unknown(body)
+        _check_body(body)
         return await create_completion(state, body, raw)
 
     @v1.post("/chat/completions", dependencies=[Depends(require_ready)])
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        _log_unknown(body)
+        _check_body(body)
         return await create_chat_completion(state, body, raw)
 
     @v1.get("/models")

@@ -38,12 +38,21 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 logger = logging.getLogger(__name__)
 
 
+# Templates shipped in the package (package-data): ``--chat-template NAME`` selects ``NAME.jinja``.
+TEMPLATES_DIR = Path(__file__).resolve().parent / "templates"
+
+
+def bundled_templates() -> list[str]:
+    """Names of the chat templates shipped with kvpilot (``plain``: the messages' contents in order)."""
+    return sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+
+
 def load_chat_template(value: Optional[str]) -> Optional[str]:
-    """The ``--chat-template`` argument as template text: a file's contents, or the string itself if
-    it is inline Jinja (contains ``{{`` or ``{%``).
+    """The ``--chat-template`` argument as template text: a file's contents, the string itself if
+    it is inline Jinja (contains ``{{`` or ``{%``), or a bundled template's name (`bundled_templates`).
 
     Raises:
-        FileNotFoundError: ``value`` is neither an existing file nor inline Jinja.
+        FileNotFoundError: ``value`` is none of these.
     """
     if value is None:
         return None
@@ -52,7 +61,11 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
         return path.read_text(encoding="utf-8")
     if "{{" in value or "{%" in value:
         return value
-    raise FileNotFoundError(f"--chat-template {value!r}: no such file (and not an inline Jinja template)")
+    bundled = TEMPLATES_DIR / f"{value}.jinja"
+    if "/" not in value and bundled.is_file():
+        return bundled.read_text(encoding="utf-8")
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file, not an inline Jinja template, and not "
+                            f"a bundled template ({', '.join(bundled_templates())})")
 
 
 def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -70,8 +70,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=envs.api_key(),
                         help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVPILOT_API_KEY)")
     parser.add_argument("--chat-template", default=None,
-                        help="Jinja chat template file (or inline template) overriding the tokenizer's "
-                             "(default: the tokenizer's own chat_template)")
+                        help="Jinja chat template overriding the tokenizer's: a file, an inline template, "
+                             "or a bundled one by name ('plain': the messages' contents in order, for base "
+                             "models such as stories260K) (default: the tokenizer's own chat_template)")
     parser.add_argument("--metrics-compat", choices=["none", "vllm"], default="none",
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -144,6 +145,8 @@ def preflight(args: argparse.Namespace) -> None:
     starts: a bad device or context limit is one line at once, not a traceback after start-up.
 
     Raises:
+        FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
+            and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
         ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
     """
     from pathlib import Path
@@ -153,6 +156,9 @@ def preflight(args: argparse.Namespace) -> None:
     from kvpilot.runner.model_runner import check_device
 
     check_device(args.device)
+    if args.model.startswith(("/", "./", "../", "~")) and not Path(args.model).expanduser().is_dir():
+        raise FileNotFoundError(f"model {args.model!r}: no such directory (expected a Hugging Face checkpoint "
+                                f"directory with config.json, *.safetensors and tokenizer files)")
     if args.max_seq_len is not None and (Path(args.model) / "config.json").is_file():
         cfg = ModelConfig.from_dir(Path(args.model))
         check_max_seq_len(args.max_seq_len, cfg.max_position_embeddings, args.allow_long_max_seq_len)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -107,9 +108,10 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, model: str, re
     include_usage = req.include_usage
     top_n = req.top_logprobs or 0
     completion_tokens = 0
+    created = int(time.time())  # one id and one creation time for every chunk of the stream (OpenAI)
 
     def chunk(choice: ChatCompletionStreamChoice) -> str:
-        body = ChatCompletionStreamResponse(id=request_id, model=model, choices=[choice])
+        body = ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
         return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     try:
@@ -131,7 +133,7 @@ async def _stream(state: ServerState, req: ChatCompletionRequest, model: str, re
                                                            stop_reason=d.stop_reason))
         if include_usage:
             usage = UsageInfo.of(num_prompt_tokens, completion_tokens)
-            yield sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[],
+            yield sse(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
                                                    usage=usage).model_dump_json())
         yield SSE_DONE
     except RequestError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -51,7 +52,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
             outputs.append(llm.generate_async(ids, params, streaming=streaming))
     except (ValueError, TypeError) as exc:
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         msg = str(exc)
         field = msg.split(" ", 1)[0]  # engine messages start with the field they are about
         if field in SamplingParams.field_names() and field != "max_tokens":
@@ -61,7 +62,7 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
         raise APIError(msg, param=param) from None
     except RuntimeError as exc:  # EngineDeadError: the engine loop has stopped
         for out in outputs:
-            out.abort()
+            out.abort(wait=False)
         raise APIError(f"the engine is not running: {exc}", status=503) from None
     return outputs
 
@@ -172,9 +173,10 @@ async def _stream(state: ServerState, req: CompletionRequest, model: str, reques
     include_usage = req.include_usage
     writers: dict[int, _LogprobWriter] = {}
     completion_tokens = 0
+    created = int(time.time())  # one id and one creation time for every chunk of the stream (OpenAI)
 
     def chunk(choice: CompletionChoice) -> str:
-        body = CompletionStreamResponse(id=request_id, model=model, choices=[choice])
+        body = CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice])
         return sse(body.model_dump_json(exclude=None if include_usage else {"usage"}))
 
     try:
@@ -185,7 +187,8 @@ async def _stream(state: ServerState, req: CompletionRequest, model: str, reques
                     yield chunk(piece)
         if include_usage:
             usage = UsageInfo.of(sum(len(o.prompt_token_ids) for o in outputs), completion_tokens)
-            yield sse(CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage).model_dump_json())
+            yield sse(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                               usage=usage).model_dump_json())
         yield SSE_DONE
     except RequestError as exc:
         logger.error("request %s failed: %s", request_id, exc)

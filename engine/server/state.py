@@ -90,5 +90,5 @@ class ServerState:
         """Abort every tracked engine request; returns how many were aborted."""
         outs = list(self._outputs)
         for out in outs:
-            out.abort()
+            out.abort(wait=False)
         return len(outs)

@@ -89,7 +89,7 @@ async def stream_deltas(outputs: list[RequestOutput]) -> AsyncIterator[list[Choi
             async for deltas in _deltas_of(0, outputs[0]):
                 yield deltas
         finally:
-            outputs[0].abort()
+            outputs[0].abort(wait=False)
         return
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -120,7 +120,7 @@ async def stream_deltas(outputs: list[RequestOutput]) -> AsyncIterator[list[Choi
         for t in tasks:
             t.cancel()
         for o in outputs:
-            o.abort()
+            o.abort(wait=False)
 
 
 async def wait_all(outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -157,7 +157,7 @@ class EngineStreamingResponse(StreamingResponse):
                 await super().__call__(scope, receive, send)
         finally:
             for out in self._outputs:
-                out.abort()
+                out.abort(wait=False)
             self._state.end()
 
 

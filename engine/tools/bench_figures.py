@@ -9,9 +9,6 @@ engine's default (CUDA graphs, async scheduling, fused kernels).
 
 Figures (``FIGURES``; each returns table rows, see `Row`):
 
-- ``accuracy``: kvpilot against transformers (float32, CPU or GPU) on a random model of Llama-3.1-8B's
-  layer shape with ``--accuracy-layers`` layers: relative L2 error of the prefill logits
-  (``||kvpilot - hf|| / ||hf||``) and the share of prompts whose greedy tokens are identical.
 - ``prefill``: one 8,192-token prefill step (the runner's own step, nothing cached) in TFLOP/s, and
   as % of the bf16 matmul rate measured in the same run (an 8192^3 product).
 - ``decode-b1``: batch-1 inter-token latency (ITL) of 128 prompt + 512 generated tokens, median of 3,
@@ -28,10 +25,13 @@ Figures (``FIGURES``; each returns table rows, see `Row`):
 - ``offline-bf16``: ``offline`` with a bf16 KV cache.
 - ``capacity``: KV-cache pool tokens of the bf16-KV engine and of the FP8 one (when it ran), against
   ``0.9 x free bytes after the profiling pass / bytes per token``.
+- ``accuracy``: kvpilot against transformers (float32, CPU or GPU) on a random model of Llama-3.1-8B's
+  layer shape with ``--accuracy-layers`` layers: relative L2 error of the prefill logits
+  (``||kvpilot - hf|| / ||hf||``) and the share of prompts whose greedy tokens are identical.
 
-``kvpilot bench all`` runs the figures in one process in that order (one FP8 engine, then one bf16
-engine), each in its own ``try``: a failure prints an error row and the next figure runs. Results go to
-``--out`` (JSON, rewritten after every figure, so a run cut short keeps what it measured).
+``kvpilot bench all`` runs the figures in one process, in `FIGURES` order (one FP8-KV engine, then one
+bf16-KV engine, then the accuracy check's float32 engine and transformers), each in its own ``try``:
+a failure prints an error row and the next figure runs. Results go to ``--out`` (JSON, rewritten after every figure, so a run cut short keeps what it measured).
 ``--quick`` shrinks the workloads (figures then differ from the table's: for a smoke test on a GPU);
 ``--dry-run`` runs every figure on a tiny random Llama on the CPU in seconds (what CI tests).
 """
@@ -55,6 +55,10 @@ from typing import Any, Callable, Optional
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIR = "/tmp/kvpilot-llama8b-random"
+
+
+class BenchSetupError(RuntimeError):
+    """The benchmarks cannot start here (no CUDA GPU for the full figures)."""
 
 
 @dataclass
@@ -153,6 +157,7 @@ class Context:
         return self._engine
 
     def close(self) -> None:
+        """Shut the engine down and free its memory (a no-op without one)."""
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
@@ -185,8 +190,13 @@ def _sync(device: str) -> None:
 
 
 def _empty_cache(device: str) -> None:
+    """Free what a shut-down engine held: collect its reference cycles, then return cached GPU memory
+    (the next engine sizes its KV pool from the free memory)."""
+    import gc
+
     import torch
 
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
@@ -257,6 +267,7 @@ def fig_accuracy(ctx: Context) -> list[Row]:
     from kvpilot.runner.batch import ScheduledSeq
     from kvpilot.tools.random_model import write_random_llama
 
+    ctx.close()  # the shared engine holds most of the GPU's memory
     s = ctx.sizes
     cfg = dict(ctx.cfg, num_hidden_layers=min(ctx.accuracy_layers, ctx.cfg["num_hidden_layers"]))
     with tempfile.TemporaryDirectory(prefix="kvpilot-accuracy-") as tmp:
@@ -276,6 +287,7 @@ def fig_accuracy(ctx: Context) -> list[Row]:
             kv_greedy = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
         finally:
             llm.shutdown()
+        del llm, runner, logits
         _empty_cache(ctx.device)
         hf = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager")
         hf = hf.to(ctx.device).eval()
@@ -443,17 +455,63 @@ def fig_serve(ctx: Context) -> list[Row]:
     return rows
 
 
+class StepLog:
+    """A stat logger (`LLM.add_stat_logger`) splitting a run's steps into decode-only steps and steps
+    that carry prefill tokens: count, seconds, mean step time and batch (where an offline run's time goes)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[float, int, int, int]] = []
+        self.lock = threading.Lock()
+        self.on = False
+
+    def __call__(self, s) -> None:
+        if self.on and s.num_scheduled_tokens:
+            with self.lock:
+                self.rows.append((s.iter_latency_s, s.num_scheduled_tokens, s.num_context_requests,
+                                  s.num_generation_requests))
+
+    def summary(self) -> dict:
+        def part(rows):
+            if not rows:
+                return {"steps": 0}
+            return {"steps": len(rows), "seconds": sum(r[0] for r in rows),
+                    "mean_ms": 1e3 * statistics.fmean(r[0] for r in rows),
+                    "mean_tokens": statistics.fmean(r[1] for r in rows),
+                    "mean_generation_requests": statistics.fmean(r[3] for r in rows)}
+
+        with self.lock:
+            rows = list(self.rows)
+        return {"decode_only": part([r for r in rows if r[2] == 0]),
+                "with_prefill": part([r for r in rows if r[2] > 0])}
+
+
 def _offline(ctx: Context, kv_dtype: str, name: str) -> list[Row]:
     from kvpilot.tools.bench_offline import run_throughput
 
     s = ctx.sizes
     llm = ctx.engine(kv_dtype)
-    r = run_throughput(llm, _prompts(ctx, s.offline_prompts, s.offline_in, seed=1), s.offline_out)
+    log = StepLog()
+    loggers = llm._loop.stat_loggers
+    n_loggers = len(loggers)
+    llm.add_stat_logger(log)
+    try:
+        log.on = True
+        r = run_throughput(llm, _prompts(ctx, s.offline_prompts, s.offline_in, seed=1), s.offline_out)
+        log.on = False
+    finally:
+        del loggers[n_loggers:]
+    r["steps"] = log.summary()
     ctx.results[name] = r
     label = "FP8" if kv_dtype == "fp8" else ("bf16" if not ctx.dry_run else "model-dtype")
-    return [Row(name, f"offline {s.offline_prompts} x ({s.offline_in} in + {s.offline_out} out), {label} KV",
+    rows = [Row(name, f"offline {s.offline_prompts} x ({s.offline_in} in + {s.offline_out} out), {label} KV",
                 r["output_tokens_per_s"], "output tok/s",
                 "target 12,000" if kv_dtype == "fp8" else f"{r['max_concurrency']} in flight")]
+    d = r["steps"]["decode_only"]
+    if d["steps"]:
+        rows.append(Row(name, f"{label} KV: decode-only step ({d['steps']} steps, batch "
+                              f"{d['mean_generation_requests']:.0f})", d["mean_ms"], "ms",
+                        f"{r['max_concurrency']} in flight"))
+    return rows
 
 
 def fig_offline(ctx: Context) -> list[Row]:
@@ -482,7 +540,6 @@ def fig_capacity(ctx: Context) -> list[Row]:
 
 
 FIGURES: dict[str, tuple[Callable[[Context], list[Row]], str]] = {
-    "accuracy": (fig_accuracy, "float32 prefill logits and greedy tokens against transformers"),
     "prefill": (fig_prefill, "8,192-token prefill step, TFLOP/s and its share of the matmul rate"),
     "decode-b1": (fig_decode_b1, "batch-1 decode ITL against the bandwidth floor (FP8 KV)"),
     "ttft": (fig_ttft, "time to first token, cold and with a cached 4,000-token prefix"),
@@ -491,8 +548,10 @@ FIGURES: dict[str, tuple[Callable[[Context], list[Row]], str]] = {
     "http": (fig_serve, "the HTTP server in-process: throughput, TTFT, ITL at concurrency 1 and 64"),
     "offline-bf16": (fig_offline_bf16, "offline 1,000 x (1k in + 1k out), bf16 KV, output tok/s"),
     "capacity": (fig_capacity, "KV-cache pool tokens (bf16 and FP8 KV)"),
+    "accuracy": (fig_accuracy, "float32 prefill logits and greedy tokens against transformers"),
 }
-"""Figure name -> (function, one-line help), in the order ``all`` runs them (FP8 engine, then bf16)."""
+"""Figure name -> (function, one-line help), in the order ``all`` runs them: the FP8-KV engine's
+figures (the headline ones first), the bf16-KV engine's, then accuracy with engines of its own."""
 
 
 # ---- running and reporting ------------------------------------------------------------------------
@@ -502,6 +561,9 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
     """The shared context; writes the random model to ``model_dir`` if it holds no ``config.json``.
 
     ``dry_run`` uses `kvpilot.tools.random_model.TINY` on the CPU (``model_dir`` default: a temp dir).
+
+    Raises:
+        BenchSetupError: not ``dry_run`` and ``device`` is not an available CUDA device.
     """
     import torch
 
@@ -514,6 +576,10 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
     else:
         cfg = LLAMA31_8B
         dev = device if device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if not dev.startswith("cuda") or not torch.cuda.is_available():
+            raise BenchSetupError(f"the figures run an 8B-shaped model on a CUDA GPU, and device {dev!r} is not one "
+                                  f"(CUDA available: {torch.cuda.is_available()}); --dry-run runs them on a tiny "
+                                  f"model on the CPU")
         path = Path(model_dir or DEFAULT_MODEL_DIR)
         sizes, mbs, msl = (QUICK if quick else Sizes()), 512, 32768 + 256
     if not (path / "config.json").is_file():
@@ -523,7 +589,8 @@ def make_context(device: str, model_dir: Optional[str], quick: bool, dry_run: bo
 
 
 def run_figures(ctx: Context, names: list[str], out: Optional[str] = None,
-                echo: Callable[[str], None] = print, started: Optional[float] = None) -> tuple[list[Row], dict]:
+                echo: Callable[[str], None] = print, started: Optional[float] = None,
+                commit: Optional[str] = None) -> tuple[list[Row], dict]:
     """Run ``names`` in order, each in its own ``try``; returns the rows and the JSON-ready result.
 
     A failing figure yields one `Row` with ``value`` NaN and ``error`` set; the run goes on. With
@@ -540,7 +607,7 @@ def run_figures(ctx: Context, names: list[str], out: Optional[str] = None,
     rows: list[Row] = []
     meta = {"device": torch.cuda.get_device_name() if ctx.device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "commit": _commit(), "model_dir": str(ctx.model_dir), "dry_run": ctx.dry_run,
+            "commit": commit or _commit(), "model_dir": str(ctx.model_dir), "dry_run": ctx.dry_run,
             "sizes": asdict(ctx.sizes), "settings": {"max_batch_size": ctx.max_batch_size, "max_num_tokens": 8192,
                                                      "max_seq_len": ctx.max_seq_len,
                                                      "free_gpu_memory_fraction": 0.9}}
@@ -630,22 +697,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accuracy-layers", type=int, default=2,
                    help="decoder layers of the accuracy figure's Llama-3.1-8B-shaped model (default: 2)")
     p.add_argument("--out", default=None, help="write the rows and measurements as JSON to this file (default: no file)")
+    p.add_argument("--commit", default=None,
+                   help="commit recorded with the results (default: the checkout's `git rev-parse`, else unknown)")
 
 
 def configure_all(p: argparse.ArgumentParser) -> None:
     """Arguments of ``kvpilot bench all``."""
     _common(p)
     p.add_argument("--figures", default=",".join(FIGURES),
-                   help=f"comma-separated figures to run, in this order (default: all: {','.join(FIGURES)})")
+                   help=f"comma-separated figures to run, always in this order (default: all: {','.join(FIGURES)})")
 
 
 def _run(args: argparse.Namespace, names: list[str]) -> int:
     if args.accuracy_layers < 1:
         raise SystemExit("--accuracy-layers must be >= 1")
     started = time.perf_counter()
-    ctx = make_context(args.device, args.model_dir, args.quick, args.dry_run, args.accuracy_layers)
+    try:
+        ctx = make_context(args.device, args.model_dir, args.quick, args.dry_run, args.accuracy_layers)
+    except BenchSetupError as exc:
+        print(f"kvpilot bench: {exc}", file=sys.stderr)
+        return 2
     rows, report = run_figures(ctx, names, args.out, echo=lambda s: print(s, file=sys.stderr, flush=True),
-                               started=started)
+                               started=started, commit=args.commit)
     print(format_table(rows, report), flush=True)
     return 0 if all(r.value == r.value for r in rows) else 1
 

@@ -51,6 +51,10 @@ _N_SPECIAL = 3  # <unk>, <s>, </s>
 _N_BYTE_TOKENS = 256  # <0x00>..<0xFF>, ids 3..258 (SentencePiece byte fallback)
 _SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 _STORIES_FILES = ("stories260K.bin", "tok512.bin")
+# llama2.c's documented greedy continuation of stories260K from BOS (../shared/models/stories260K/SOURCE.md):
+# what a correct engine generates from the converted model (the tests' and GPU benchmark's golden text).
+STORIES260K_GREEDY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+                      "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
 
 
 @dataclass(frozen=True)

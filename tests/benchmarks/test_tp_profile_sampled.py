@@ -1,19 +1,6 @@
-"""Review session 10b: the one-shot all-reduce's start-up report and switches, and
-``benchmarks/gpu_tp_profile.py --sampled``.
-
-- The ready message's ``one_shot_all_reduce`` must hold for every rank of the world, not only for the
-  ranks that have a pipe: in a LeaderWorkerSet group the leader's front end hears only its own pod's
-  ranks, so with TP 2 x PP 2 over two pods a stage that fell back to NCCL on the other pod was
-  reported as taking the one-shot kernel. Two CPU processes (gloo) run the real `worker_main` with a
-  stand-in `Worker` (the one-shot kernel needs two GPUs): rank 0 with a pipe and the kernel, rank 1
-  (another pod: no pipe) without.
-- `make_worker_spec` checks ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` exactly where a worker would
-  read it: not for TP 2 with one rank per pod (each TP group spans pods: NCCL) or on ROCm, where a
-  bad value has no effect and refusing to start is wrong; still on one node with TP 2 on CUDA.
-- ``--sampled`` warms the sampled path up before timing it (the sampling kernels compile on their
-  first call, which the greedy warm-up never makes) and counts exact-path rows over the timed runs
-  only. A stand-in `LLM` records the calls.
-"""
+"""``benchmarks/lab/gpu_tp_profile.py --sampled``: the sampled path is warmed up before it is timed (the
+sampling kernels compile on their first call, which the greedy warm-up never makes), and exact-path
+rows are counted over the timed runs only. A stand-in `LLM` records the calls."""
 
 from __future__ import annotations
 
@@ -33,11 +20,11 @@ ROOT = REPO
 # ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------
 
 def _load_profile():
     spec = importlib.util.spec_from_file_location("gpu_tp_profile_under_test",
-                                                  ROOT / "benchmarks" / "gpu_tp_profile.py")
+                                                  ROOT / "benchmarks" / "lab" / "gpu_tp_profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -97,7 +84,7 @@ def test_sampled_itl_is_timed_after_a_sampled_warm_up(monkeypatch):
     last_reset = max(i for i, e in enumerate(llm.events) if e == ("timing", True))
     timed = [e for e in llm.events[last_reset:] if e[0] == "sampled"]
     assert timed == [("sampled", 5), ("sampled", 1)] * 3  # exactly the three timed pairs
-    # Was a defect: the first sampled request (kernel compilation) was one of the timed ones.
+    # the first sampled request (kernel compilation) was one of the timed ones.
     before = [e for e in llm.events[:last_reset] if e[0] == "sampled"]
     assert before == [("sampled", 5)], llm.events
     # Exact-path rows of the six timed requests, not the sampler's count since start-up (5 + 7).

@@ -58,3 +58,12 @@ def test_serve_reports_one_line_before_starting(stories_model_dir, args, expect)
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and expect in lines[0], proc.stderr
+
+
+def test_serve_with_a_missing_model_directory_is_one_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([KVPILOT, "serve", str(missing), "--port", "1"], capture_output=True, text=True,
+                          timeout=120, cwd="/")
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"model '{missing}': no such directory" in lines[0], proc.stderr

@@ -1,5 +1,7 @@
-"""Cases found by review: aborts of best_of/beam requests, mutated parameters, request counting,
-end_id, input types, masked vocabularies."""
+"""`LLM` requests at the edges: aborts of best_of/beam requests, sampling parameters mutated after
+construction, running/waiting counts, ``end_id``, prompt input types, bad sampling parameters, prompt
+logprob tokens, submitting after shutdown, sliding-window models refused, aborted non-streaming
+requests and text held back for stop strings."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@
   against the float32 sum and for identical results on both ranks and empty buffers afterwards.
 - Site numbering: every row-parallel call site of a model gets its own number, and the worker's
   count of sites covers them.
-- GPU (``-m gpu``, two GPUs): tests/test_custom_all_reduce_gpu.py.
+- GPU (``-m gpu``, two GPUs): tests/engine/parallel/test_custom_all_reduce_gpu.py.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import torch
 
 import kvpilot.kernels as K
 from kvpilot.kernels import build_rope_cache, paged_attention_ref, rotary_decode_attention_ref
+from support.paged_attention import make_paged_batch
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -28,34 +29,15 @@ FP32_TOL = dict(atol=2e-5, rtol=2e-5)
 
 
 def _paged(q_lens, ctx_lens, heads, kv_heads, head_dim, block, dtype=torch.float32, window=None, seed=0):
-    """A ragged batch over a shuffled paged cache. Sequence ``i`` has ``ctx_lens[i]`` cached keys and
-    ``q_lens[i]`` new ones (already in the cache). With ``window``, the cache rows of keys no query of
-    the sequence sees (positions below ``ctx_len - window + 1``) are NaN. Returns ``(q, k_cache,
-    v_cache, block_tables, seq_lens, qsl, dense_k, dense_v)``, ``dense_*[i]`` ``[seq_len, kv, D]``."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    pages = [-(-s // block) for s in seq_lens]
-    num_blocks = sum(pages) + 2
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(q_lens), max(pages) + 1, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, block, kv_heads, head_dim), float("nan"), dtype=dtype)
-    v_cache = k_cache.clone()
-    dense_k, dense_v, nxt = [], [], 0
-    for i, s in enumerate(seq_lens):
-        ids = perm[nxt: nxt + pages[i]]
-        nxt += pages[i]
-        tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        k = torch.randn(s, kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(s, kv_heads, head_dim, generator=g).to(dtype)
-        dense_k.append(k)
-        dense_v.append(v)
-        first = 0 if window is None else max(ctx_lens[i] - window + 1, 0)
-        for p in range(first, s):
-            k_cache[ids[p // block], p % block] = k[p]
-            v_cache[ids[p // block], p % block] = v[p]
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(dtype)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, dense_k, dense_v
+    """`make_paged_batch`, and with ``window`` the cache rows of keys no query of a sequence sees
+    (positions below ``ctx_len - window + 1``) set back to NaN."""
+    batch = make_paged_batch(q_lens, ctx_lens, heads, kv_heads, head_dim, block, dtype, seed)
+    k_cache, v_cache, tables = batch[1], batch[2], batch[3]
+    for i, ctx in enumerate(ctx_lens if window is not None else []):
+        for p in range(max(ctx - window + 1, 0)):
+            k_cache[int(tables[i, p // block]), p % block] = float("nan")
+            v_cache[int(tables[i, p // block]), p % block] = float("nan")
+    return batch
 
 
 def _dense_hf(q, dense_k, dense_v, seq_lens, qsl, scale, window, cap):
@@ -184,6 +166,22 @@ def test_split_decode_matches_reference(monkeypatch, ctx_lens, window, cap, num_
     got = _triton_attention(*args, num_splits=num_splits, **kw)
     assert not got.isnan().any()
     torch.testing.assert_close(got, paged_attention_ref(*args, **kw), **FP32_TOL)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gemma_head_dim_256(num_splits):
+    """Gemma's head_dim 256 (the kernels halve their key tiles above 128) with window and cap, in a
+    mixed step of prefill chunks and decodes and in a decode-only step."""
+    kw = dict(sliding_window=21, logits_soft_cap=2.0)
+    q, kc, vc, bt, sl, qsl, _, _ = _paged([20, 1, 1], [40, 30, 70], 4, 2, 256, 16, window=21)
+    args = (q, kc, vc, bt, sl, qsl, 256 ** -0.5, 20, int(sl.max()))
+    torch.testing.assert_close(_triton_attention(*args, num_splits=num_splits, **kw), paged_attention_ref(*args, **kw),
+                               **FP32_TOL)
+    q, kc, vc, bt, sl, qsl, _, _ = _paged([1, 1], [90, 33], 4, 2, 256, 16, window=21)
+    args = (q, kc, vc, bt, sl, qsl, 256 ** -0.5, 1, int(sl.max()))
+    torch.testing.assert_close(_triton_attention(*args, num_splits=num_splits, **kw), paged_attention_ref(*args, **kw),
+                               **FP32_TOL)
 
 
 @needs_triton

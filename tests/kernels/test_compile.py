@@ -2,7 +2,7 @@
 
 The other kernel tests run under ``TRITON_INTERPRET=1``, which never compiles a kernel, so a
 specialization the interpreter never executes can still fail to compile on the GPU. These tests run
-``tests/compile_kernels.py`` in a subprocess (without ``TRITON_INTERPRET``, with an empty Triton
+``tools/compile_kernels.py`` in a subprocess (without ``TRITON_INTERPRET``, with an empty Triton
 cache, from a directory where the repository's ``operator/`` cannot shadow the stdlib): it compiles
 every kernel, through its public wrapper at Llama-3.1-8B shapes, down to a cubin with ptxas.
 """
@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.paths import TESTS
+from support.paths import TOOLS
 
-SCRIPT = TESTS / "compile_kernels.py"
+SCRIPT = TOOLS / "compile_kernels.py"
 
 # Kernels the engine launches (the script itself also fails on any @triton.jit kernel of
 # kernels/*.py it did not compile; this list checks that its report names them).

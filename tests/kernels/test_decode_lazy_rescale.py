@@ -1,20 +1,7 @@
-"""Fresh-eyes review of session 6's changes (commits a1882c3 and e27526d, uncommitted when reviewed).
-
-1. kernels/sampling.py: the pivot path (top-p / min-p rows), now on by default, with its states
-   double-buffered per launch, min-p-only rows searching level 0 only, and a debug mode.
-2. kernels/attention.py: ``TUNING["decode"]["lazy_rescale"]`` (claimed bit-identical).
-3. engine/core/scheduler.py & co.: beam requests preempted and admitted all-or-nothing,
-   `RequestTooLargeError`, `LLM` refusing a beam width above ``max_batch_size``.
-
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
-fix is; all are fixed, the beam re-admission one first by a mitigation (passing over, as preemption
-victim, a lockstep request that could not be re-admitted unshared) and in the seventh session by the
-suggested fix: re-admitted beams share their common full blocks again, tests/test_beam_readmission.py);
-the others
-confirm behaviour the review checked. All CPU tests are fast; the pivot-path tests
-run the Triton kernels under ``TRITON_INTERPRET=1``; two tests compile kernels for sm_90 in a
-subprocess (no GPU needed; skipped without Triton's nvidia backend); ``gpu`` tests need an H200.
-"""
+"""Decode attention's lazy rescale (``TUNING["decode"]["lazy_rescale"]``): bit-identical to the eager
+update on padded GQA rows and underflowing ``alpha`` (``TRITON_INTERPRET=1``), the eager path keeps
+its fused multiply-adds when compiled for sm_90 (a subprocess; skipped without Triton's nvidia
+backend), and on an H200 the serving shape is bit-identical (``gpu``)."""
 
 from __future__ import annotations
 
@@ -28,10 +15,8 @@ import pytest
 import torch
 
 
-from support.beams import tiny# noqa: F401 (tiny: the model fixture)
-from support.paths import TESTS
+from support.paths import TOOLS, load_benchmark
 
-TESTS = TESTS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs a CUDA GPU")
@@ -51,7 +36,7 @@ def _run_script(tmp_path: Path, source: str, *args: str) -> str:
     script.write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, str(script), str(TESTS), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(TOOLS), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -87,7 +72,7 @@ def _decode_pair(monkeypatch, q_lens_ctx, num_heads, num_kv_heads, spike_at=None
 
 
 @needs_interpreter
-@pytest.mark.parametrize("num_splits", [1])  # split launches are always eager (seventh session)
+@pytest.mark.parametrize("num_splits", [1])  # split launches are always eager
 def test_lazy_rescale_padded_gqa_rows_and_underflowing_alpha(monkeypatch, num_splits):
     """Checked on the CPU (where no FMA is involved): GQA 3 (13 padded rows of a 16-row tile, q = 0,
     scores 0: their max never moves but they take part in the "did any max move" reduction), and
@@ -102,9 +87,11 @@ def test_lazy_rescale_padded_gqa_rows_and_underflowing_alpha(monkeypatch, num_sp
 
 
 _FMA_SCRIPT = """
-import re, sys
-sys.path.insert(0, sys.argv[1])
-import compile_kernels as ck  # removes TRITON_INTERPRET; compiles for sm_90 without a GPU
+import re
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("compile_kernels", sys.argv[1] + "/compile_kernels.py")
+ck = sys.modules["compile_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ck)  # tools/compile_kernels.py: removes TRITON_INTERPRET; compiles for sm_90 without a GPU
 ck.install()
 ck._patch_gpu_paths()
 import torch
@@ -123,19 +110,14 @@ for lazy in (False, True):
 
 
 def test_lazy_rescale_has_the_eager_fused_multiply_adds_on_sm90(tmp_path):
-    """Was a defect, fixed this session.
-    (new in the reviewed diff). The eager update ``l_i = l_i * alpha + tl.sum(p, 1)`` compiles
-    to one ``fma.rn.f32`` per row on sm_90 (Triton contracts mul + add; attention.py:339 in the
-    PTX). The lazy kernel multiplies ``l_i * alpha`` inside the ``if`` and adds ``tl.sum(p, 1)``
-    after it: across the branch they are not contracted, so in every tile where a row's max moved
-    ``l_i`` is rounded twice instead of once, and the output differs from the eager kernel's in
-    its last bits (the CPU interpreter has no FMA, so every CPU test, and
-    tests/test_kernels_triton.py's bit-identity test there, still pass). The numbers stay correct
-    to float32 rounding; the "same bits" claim (TUNING comment, BENCHMARKS) does not hold on the
-    GPU. Fix (kernels/attention.py, `_decode_kernel`, LAZY_RESCALE branch): compute ``p`` and
-    ``l_i = l_i * alpha + tl.sum(p, 1)`` inside the moved branch, and ``p``, ``l_i = l_i +
-    tl.sum(p, 1)`` in an ``else`` (eager's fma(l, 1, s) rounds like l + s): the lazy PTX then has
-    the eager one's two FMAs (checked by compiling that change)."""
+    """The lazy-rescale decode kernel has the eager kernel's two ``fma.rn.f32`` per row on sm_90.
+
+    The eager update ``l_i = l_i * alpha + tl.sum(p, 1)`` compiles to one FMA (Triton contracts mul +
+    add). The lazy branch computes ``p`` and ``l_i = l_i * alpha + tl.sum(p, 1)`` inside the moved
+    branch and ``l_i = l_i + tl.sum(p, 1)`` in an ``else`` (eager's fma(l, 1, s) rounds like l + s);
+    split across the branch (multiply inside, add after) they would not be contracted, ``l_i`` would be
+    rounded twice in every tile where a row's max moved, and the output would differ from the eager
+    kernel's in its last bits on the GPU (the CPU interpreter has no FMA, so CPU tests cannot see it)."""
     _needs_nvidia_backend()
     from triton.backends.nvidia.compiler import get_ptxas
 
@@ -157,15 +139,13 @@ def test_lazy_rescale_has_the_eager_fused_multiply_adds_on_sm90(tmp_path):
 @needs_cuda
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_gpu_decode_lazy_rescale_is_bit_identical_at_serving_shape(monkeypatch, kv):
-    """The TUNING claim on an H200: Llama-3.1-8B decode (32 query / 8 kv heads of 128), 96
-    sequences of 200-3,000 tokens, with and without splits; lazy must equal eager bit for bit.
-    Expected to FAIL before the fix of test_lazy_rescale_has_the_eager_fused_multiply_adds_on_sm90."""
+    """On an H200: Llama-3.1-8B decode (32 query / 8 kv heads of 128), 96 sequences of 200-3,000 tokens,
+    with and without splits; lazy equals eager bit for bit."""
     from kvpilot.kernels import attention
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
     from kvpilot.kernels.attention import paged_attention_triton
 
-    sys.path.insert(0, str(TESTS.parent / "benchmarks"))
-    from gpu_review6 import decode_batch
+    decode_batch = load_benchmark("gpu_decode_sampler_checks").decode_batch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     args = decode_batch(kv, torch.randint(200, 3000, (96,), generator=g, device="cuda").int(), g)

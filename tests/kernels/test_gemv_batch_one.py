@@ -1,19 +1,15 @@
-"""Eighth-session review of the batch-1 GEMV changes (kernels/gemv.py since 577803b): the one-load
-RMSNorm pass (``norm_one_load``, constexpr NORM_PAD), the first weight tile issued before it
-(``early_weight``, EARLY_W, peeled off the tile loop), the vector-summed weight tiles at M = 1
-(``vec``, `_activation_vec`), and the `_column_tile` / `_tile_2d` split with the PDL trigger.
+"""The batch-1 GEMV paths (kernels/gemv.py): the one-load RMSNorm pass (``norm_one_load``, constexpr
+NORM_PAD), the first weight tile issued before it (``early_weight``, EARLY_W, peeled off the tile
+loop), the vector-summed weight tiles at M = 1 (``vec``, `_activation_vec`), strided biases, and the
+configurations the kernel cannot run being refused.
 
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the fix
-is); the others pin behaviour the review checked and found right, on the paths the new options
-added. CPU tests run the kernels under ``TRITON_INTERPRET=1`` (small shapes; the interpreter
-rounds fp32 -> bf16 by truncation, so exact rounding checks use fp16 and fp32); ``gpu`` tests run
-the launch table at shapes of Llama 3.x models, their tensor-parallel shards and other dtypes.
-"""
+CPU tests run the kernels under ``TRITON_INTERPRET=1`` (small shapes; the interpreter rounds fp32 ->
+bf16 by truncation, so exact rounding checks use fp16 and fp32); ``gpu`` tests run the launch table at
+shapes of Llama 3.x models, their tensor-parallel shards and other dtypes."""
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ import torch.nn.functional as F
 
 from kvpilot.kernels import rms_norm_ref, silu_and_mul_ref
 from kvpilot.kernels import gemv as G
-from support.paths import BENCHMARKS
+from support.paths import load_benchmark
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -49,18 +45,16 @@ def _dev(*ts):
     return [t.to(DEVICE) if t is not None else None for t in ts]
 
 
-# ---- defects ------------------------------------------------------------------------------------
+# ---- inputs and configurations -------------------------------------------------------------------
 
 
 @needs_triton
 @pytest.mark.parametrize("op", ["plain", "rmsnorm", "silu"])
 def test_a_strided_bias_is_read_with_its_stride(op):
-    """Was a defect (older than this session, found here). `_launch` handed ``bias`` to the kernel
-    as it came, and the kernel reads ``bias[n]`` at ``b_ptr + n``: a bias view with a stride (every
-    other element of a wider vector, a column of a 2-D tensor) added the wrong elements, silently,
-    in every configuration (here the table's batch-1 rows: vec for plain and rmsnorm, fma for silu).
-    `_check_linear` checks only the shape. Fix: `_launch` makes a strided bias contiguous, as it
-    already did for ``x``, ``residual`` and ``norm_weight``."""
+    """A bias view with a stride (every other element of a wider vector, a column of a 2-D tensor) is
+    read with its stride: the kernel reads ``bias[n]`` at ``b_ptr + n``, so `_launch` makes a strided bias
+    contiguous, as it does for ``x``, ``residual`` and ``norm_weight`` (`_check_linear` checks only the
+    shape). Checked in the table's batch-1 rows: vec for plain and rmsnorm, fma for silu."""
     m, k, n = 1, 64, 12
     t = _inputs(m, k, n, torch.float32, seed=8)
     wide = torch.randn(2 * n, generator=torch.Generator().manual_seed(9))
@@ -83,14 +77,12 @@ def test_a_strided_bias_is_read_with_its_stride(op):
 
 @needs_triton
 def test_config_dicts_the_kernel_cannot_run_are_refused():
-    """Was a defect. `launch_config` refuses ``vec`` with ``block_m`` > 1 or ``kind='dot'``, but the
-    ``*_triton`` functions took any ``config=`` dict unchecked, and benchmarks edit dicts
-    (``dict(cfg, block_m=...)``). The vec path reads one row, ``row = sum(rows)``: with a vec dict of
-    ``block_m=2`` and M = 2 both output rows got row 1's product (relative error 1.4 here); with
-    ``use_dot=True, block_m=16`` and M = 1... row 0, but with M = 2 it read row 15 of a 2-row ``x``
-    (out of bounds; 7.7e36 in the interpreter). Fix: `_launch` runs the dict through
-    `_check_config`, the checks of `launch_config` (which now also refuses a negative or
-    non-power-of-two ``vec``, which passed ``block_k % vec`` and silently ran without vec)."""
+    """``config=`` dicts the kernel cannot run are refused: `_launch` runs every dict through
+    `_check_config`, the checks of `launch_config` (``vec`` with ``block_m`` > 1 or ``kind='dot'``, a
+    negative or non-power-of-two ``vec``). Benchmarks edit dicts (``dict(cfg, block_m=...)``); the vec
+    path reads one row, ``row = sum(rows)``, so a vec dict of ``block_m=2`` at M = 2 would give both
+    output rows row 1's product, and ``use_dot=True, block_m=16`` at M = 2 would read row 15 of a
+    2-row ``x``."""
     t = _inputs(2, 64, 12, torch.float32, seed=1)
     x, w = _dev(t["x"], t["w"])
     plain_vec = C("fma", 1, 4, 32, vec=8)
@@ -108,7 +100,7 @@ def test_config_dicts_the_kernel_cannot_run_are_refused():
                                atol=1e-5, rtol=1e-5)
 
 
-# ---- checked and found right: the new paths against the references -----------------------------
+# ---- the batch-1 paths against the references ----------------------------------------------------
 
 
 @needs_triton
@@ -189,8 +181,8 @@ def test_table_keeps_vec_and_early_weight_on_batch_one_rows_only():
 
 # ---- GPU: the launch table at other models' shapes, shards and dtypes ---------------------------
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_gemv_review8 import MODELS, check_model  # noqa: E402
+_review8 = load_benchmark("gpu_gemv_shapes")
+MODELS, check_model = _review8.MODELS, _review8.check_model
 
 
 @pytest.mark.gpu
@@ -202,5 +194,5 @@ def test_gpu_batch_one_table_at_model_shapes(model, dtype):
     N >= 16384, fma down) at Llama 8B, its tp-8 shard (partial K tiles), hidden 5120 (masked
     NORM_PAD), 70B tp 2 and 405B tp 4 (K = 8192 / 16384), against the references: ``h`` bit-exact,
     ``y`` within 1e-2 (16-bit) / 1e-5 (fp32) relative L2; o_proj with a strided bias and as an fp32
-    partial (benchmarks/gpu_gemv_review8.py, `check_model`)."""
+    partial (benchmarks/lab/gpu_gemv_shapes.py, `check_model`)."""
     assert check_model(*model, dtype) == []

@@ -1,5 +1,5 @@
 """``out_dtype=torch.float32`` of ``gemv`` / ``silu_mul_gemv`` (kernels/gemv.py): the fp32 accumulator,
-unrounded, for the float32 tensor-parallel reduction (engine/model/llama.py, issue 9).
+unrounded, for the float32 tensor-parallel reduction (engine/model/llama.py).
 
 - CPU: the references and dispatchers give ``F.linear`` of the inputs in float32 exactly; the
   Triton kernels under ``TRITON_INTERPRET=1`` match it to fp32 rounding (the interpreter's bf16 store

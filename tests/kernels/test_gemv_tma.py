@@ -34,6 +34,7 @@ def _cases(n: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
         "plain fp32": (lambda c: G.gemv_triton(x, w, b, config=c, out_dtype=torch.float32),
                        lambda: G.gemv_ref(x, w, b, out_dtype=torch.float32)),
         "silu": (lambda c: G.silu_mul_gemv_triton(gu, w, config=c), lambda: G.silu_mul_gemv_ref(gu, w)),
+        "gelu": (lambda c: G.gelu_tanh_mul_gemv_triton(gu, w, config=c), lambda: G.gelu_tanh_mul_gemv_ref(gu, w)),
         "rmsnorm": (lambda c: G.rmsnorm_gemv_triton(x, None, nw, EPS, w, config=c),
                     lambda: G.rmsnorm_gemv_ref(x, None, nw, EPS, w)),
         "rmsnorm residual": (lambda c: G.rmsnorm_gemv_triton(x, res, nw, EPS, w, b, config=c),

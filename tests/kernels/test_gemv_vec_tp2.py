@@ -1,8 +1,8 @@
-"""CPU checks of benchmarks/gpu_gemv_vec.py's ``--tp 2`` sweep: the shard shapes it times are the
+"""CPU checks of benchmarks/lab/gpu_gemv_vec.py's ``--tp 2`` sweep: the shard shapes it times are the
 engine's, its candidates are configurations the kernel runs as labelled, and the ``CONFIGS`` rows it
 proposes give every shape the configuration asked for (checked through ``gemv_config`` itself).
 
-The timing needs an H200 (``python3 benchmarks/gpu_gemv_vec.py --tp 2``); the sm_90 compile of the
+The timing needs an H200 (``python3 benchmarks/lab/gpu_gemv_vec.py --tp 2``); the sm_90 compile of the
 candidates (``--compile-check``) is the ``slow`` test at the end.
 """
 
@@ -14,9 +14,9 @@ import sys
 
 import pytest
 import torch
-from support.paths import BENCHMARKS
+from support.paths import BENCHMARK_LAB, load_benchmark
 
-BENCH = BENCHMARKS
+BENCH = BENCHMARK_LAB
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +24,11 @@ def V():
     # gpu_decode_layer (imported by the script) sets KVPILOT_FUSED_GEMV=0 for its own runs: keep
     # that out of this process's environment.
     saved = dict(os.environ)
-    sys.path.insert(0, str(BENCH))
     try:
-        import gpu_gemv_vec
+        return load_benchmark("gpu_gemv_vec")
     finally:
-        sys.path.remove(str(BENCH))
         os.environ.clear()
         os.environ.update(saved)
-    return gpu_gemv_vec
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

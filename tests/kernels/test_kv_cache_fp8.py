@@ -95,7 +95,7 @@ def test_fused_rotary_write_into_fp8_cache_matches_reference():
     qkv = _exact_e4m3(n, (heads + 2 * kv_heads) * hd, generator=g, scale=4.0)
     qkv[0, heads * hd] = 1000.0  # a key beyond E4M3's range: saturates
     # Position 0 rotates by angle 0, so the keys reach the cast unchanged (exactly representable);
-    # rotation itself is covered in bf16/fp32 by test_kernels_fused.py.
+    # rotation itself is covered in bf16/fp32 by test_rotary_kv_write.py.
     pos = torch.zeros(n, dtype=torch.int64)
     slots = torch.tensor([3, -1, 17, 8, 30, 0])
     cos_sin = build_rope_cache(hd, 32, 10000.0, None)

@@ -1,5 +1,5 @@
 """Programmatic dependent launch switch (kernels/pdl.py): on for small launches on a Hopper GPU,
-never on the CPU or under the interpreter, off with KVPILOT_PDL=0; the GPU path is compiled by tests/compile_kernels.py (cases "pdl=")
+never on the CPU or under the interpreter, off with KVPILOT_PDL=0; the GPU path is compiled by tools/compile_kernels.py (cases "pdl=")
 and measured by benchmarks/lab/gpu_pdl_ab.py."""
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
-"""Fresh-eyes review of commit 94fb29f: programmatic dependent launch (PDL, kernels/pdl.py) between
-the small-batch decode kernels.
+"""Programmatic dependent launch (PDL, kernels/pdl.py) between the small-batch decode kernels.
 
 What a PDL launch needs to be correct: every global memory access of a kernel launched with the
 PDL attribute comes after its ``griddepcontrol.wait`` in the MACHINE CODE (the compiler, not the
-source, decides the order), and only kernels that wait are launched with the attribute (the
-reviewed kernels trigger their successor at entry, before their own wait, so a successor that
-does not wait would race; since the seventh session the batch-1 GEMV waits at entry and triggers
-when a program starts its last column tile). The CPU tests here check both on what Triton and ptxas produce for
-sm_90, for every specialization the wrappers launch with PDL (GEMV M = 1, 2 and 8, where M = 8
-is a 3-stage ``cp.async`` pipeline; attention with and without splits, bf16 and FP8; the
-reduction; rotary + KV write; RMSNorm), plus the source-level pairing of launch attribute and wait.
-They pass on the reviewed tree (Triton 3.9 here; the GPU machine's Triton 3.6 is checked by
-running ``tests/pdl_order_check.py`` there).
+source, decides the order), and only kernels that wait are launched with the attribute (kernels
+trigger their successor at entry, before their own wait, so a successor that does not wait would
+race; the batch-1 GEMV waits at entry and triggers when a program starts its last column tile). The
+CPU tests here check both on what Triton and ptxas produce for sm_90, for every specialization the
+wrappers launch with PDL (GEMV M = 1, 2 and 8, where M = 8 is a 3-stage ``cp.async`` pipeline;
+attention with and without splits, bf16 and FP8; the reduction; rotary + KV write; RMSNorm), plus
+the source-level pairing of launch attribute and wait. On a GPU machine with another Triton, run
+``tools/pdl_order_check.py`` there. PDL is off on ROCm GPUs (`kernels/pdl._capable`: Hopper only).
 
-The ``gpu`` tests provoke the race on an H200 (``benchmarks/gpu_pdl_review.py``): a late writer
+The ``gpu`` tests provoke the race on an H200 (``benchmarks/lab/gpu_pdl_races.py``): a late writer
 kernel that triggers its PDL successor at once and writes the successor's input only after
 spinning; the successor's output must equal the synchronised result, and a deliberately broken
-kernel (load before wait) must be caught (else the harness proves nothing).
-
-The one finding written as a test (PDL on a ROCm GPU) failed on the reviewed tree and passes with
-the fix (`kernels/pdl._capable`: Hopper only, not ROCm).
-"""
+kernel (load before wait) must be caught (else the harness proves nothing)."""
 
 from __future__ import annotations
 
@@ -34,12 +28,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.paths import TESTS
+from support.paths import REPO, TOOLS, load_benchmark
 
-TESTS = TESTS
-ROOT = TESTS.parent
+ROOT = REPO
 KERNELS = ROOT / "kernels"
-CHECKER = TESTS / "pdl_order_check.py"
+CHECKER = TOOLS / "pdl_order_check.py"
 
 
 def _needs_nvidia_backend() -> None:
@@ -52,7 +45,7 @@ def _needs_nvidia_backend() -> None:
 
 
 def _run_checker(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    """tests/pdl_order_check.py in a fresh interpreter without TRITON_INTERPRET (kernels must be
+    """tools/pdl_order_check.py in a fresh interpreter without TRITON_INTERPRET (kernels must be
     real JITFunctions), from ``tmp_path`` (the repository's ``operator/`` must not shadow the
     stdlib)."""
     _needs_nvidia_backend()
@@ -110,7 +103,7 @@ def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
     return out
 
 
-# (tests/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
+# (tools/pdl_order_check.py's EARLY_LOADS; that module cannot be imported here: it sets up Triton for
 # compile-only runs.)
 # The pointers each may load before its wait: the step's metadata and the rotary table.
 _EARLY_LOADS = {"_rotary_decode_kernel": {"qsl_ptr", "seq_lens_ptr", "pos_ptr", "cos_sin_ptr", "slot_ptr",
@@ -172,13 +165,11 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
 
 # ---- findings -------------------------------------------------------------------------------------
 def test_pdl_mode_is_off_on_a_rocm_gpu(monkeypatch):
-    """Was a finding, fixed this session.
-
-    PyTorch's ROCm build reports AMD GPUs as ``cuda`` devices with capability (9, 0) (MI200) or
-    (9, 4) (MI300), so ``pdl_mode`` turns PDL on there whenever the installed Triton also carries
-    the NVIDIA backend's ``launch_pdl`` option, and the kernels would be compiled with
-    ``griddepcontrol`` (PTX) for an AMD target. The operator renders AMD pods
-    (``gpuResourceName: amd.com/gpu``). Fix: ``torch.version.hip is None`` in ``_capable``."""
+    """PDL is off on a ROCm GPU. PyTorch's ROCm build reports AMD GPUs as ``cuda`` devices with
+    capability (9, 0) (MI200) or (9, 4) (MI300); with the NVIDIA backend's ``launch_pdl`` option in the
+    installed Triton, ``pdl_mode`` would otherwise compile ``griddepcontrol`` (PTX) for an AMD target.
+    The operator renders AMD pods (``gpuResourceName: amd.com/gpu``); ``_capable`` checks
+    ``torch.version.hip is None``."""
     pytest.importorskip("triton")
     from kvpilot.kernels import pdl
 
@@ -231,11 +222,8 @@ def _hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper-or-newer GPU with Triton's launch_pdl")
 
 
-def _review_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import gpu_pdl_review
-
-    return gpu_pdl_review
+def _pdl_harness():
+    return load_benchmark("gpu_pdl_races")
 
 
 @pytest.mark.gpu
@@ -245,18 +233,18 @@ def test_gpu_negative_control_is_caught(monkeypatch):
     late writer, reads the stale input in some trials (otherwise PDL is not in effect and the
     late-writer test below proves nothing)."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     assert r.negative_control(10, 50.0) > 0
 
 
 @pytest.mark.gpu
 @needs_hopper
 def test_gpu_pdl_kernels_never_read_or_overwrite_early(monkeypatch):
-    """Every late-writer / late-reader case of benchmarks/gpu_pdl_review.py (Llama-3.1-8B shapes,
+    """Every late-writer / late-reader case of benchmarks/lab/gpu_pdl_races.py (Llama-3.1-8B shapes,
     1 and 8 rows, bf16 and FP8 caches, the qkv -> rotary -> attention -> o_proj chain), eagerly
     and from a CUDA graph: the output equals the synchronised call's, bit for bit."""
     monkeypatch.delenv("KVPILOT_PDL", raising=False)
-    r = _review_module()
+    r = _pdl_harness()
     bad = {}
     for case in r.build_cases():
         e, g = r.run_case(case, 5, 50.0, graphs=True)

@@ -1,42 +1,7 @@
-"""Fresh-eyes review of the twelfth session (ff5fd32..4fef599): the greedy rows' Triton arg-max
-(`kvpilot.kernels.sampling.argmax`, `kvpilot.sampling.sampler.greedy_ids`), the "tma" GEMV kind
-(kernels/gemv.py) and the PDL checker's ``cvta`` exemption (tests/pdl_order_check.py).
-
-Findings (each has a test here that fails on the reviewed tree and passes with the fix):
-
-1. `sampling.argmax` took float64 (and integer) logits and compared them in float32: float64 rows
-   whose maximum differs from another value below float32's precision got the wrong id, and
-   `greedy_ids` (CUDA default: the kernel) handed them over. It now refuses other dtypes and
-   `greedy_ids` gives them to ``torch.argmax``.
-2. `greedy_ids(logits, out=...)` raised ValueError for an ``out`` that ``torch.argmax`` takes (a
-   strided int64 view), and for V >= 2**31; it now falls back to ``torch.argmax`` wherever the
-   kernel's contract does not hold, so it is a drop-in for ``torch.argmax(dim=-1, out=)``.
-3. `sampling.argmax` launched ``cdiv(V, 4096)`` programs per row on the grid's second dimension (CUDA
-   caps it at 65,535) and reduced them in one program of ``next_pow2`` lanes, though its docstring
-   takes any V < 2**31: chunks now grow past ``CONFIG["chunk"]`` to keep at most 1,024 per row
-   (no change below 4M columns).
-4. An explicit "tma" configuration raised ValueError for M = 0 (the fma kind returns the empty
-   ``[0, N]`` result); ``launch_config("tma", ..., block_k > 512)`` was accepted although no launch
-   can run it (with ``config=`` a ValueError at launch, as a table row a silent fall-back every
-   time); ``late_trigger`` on the fma/dot kinds was accepted and ignored. The launch error now says
-   which condition failed.
-5. ``pdl_order_check.py --scan-cache`` (the check of the kernels the GPU's own Triton compiled)
-   matched a hand-written list of kernel names that lacked ``_gemv_tma_kernel`` (and
-   ``_two_rank_all_reduce_kernel``): their GPU-compiled PTX/SASS was never checked. The names now
-   come from the kernels' sources (every kernel with a ``USE_PDL`` parameter).
-
-Checked and sound (tests pin them): first maximum / first NaN / all -inf -> 0 across chunk
-boundaries, -0.0 == 0.0 ties, +inf, V = 1, rows of stride 0 and overlapping rows, bf16/fp16, ``out``
-a slice of a larger id buffer (the output rank's ``tok_buf[:n]``); the "torch"/"exact" sampler
-backends never reach the kernel; the tma kind's RMSNorm K-tile pass (K > NORM_ONE_LOAD_MAX, e.g. a
-hidden size of 8192), column-sliced weights (TMA reads zeros past K, not the neighbouring columns),
-N and K smaller than a block, misaligned weight bases falling back from a table row; the PDL
-checker's ``cvta`` exemption (an address conversion reads nothing; any access through the converted
-generic address is still flagged).
-
-GPU (``-m gpu``; also benchmarks/gpu_review12.py): the arg-max against CUDA's ``torch.argmax`` at
-serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside a CUDA graph.
-"""
+"""The PDL order checker (tools/pdl_order_check.py) itself: address conversions (``cvta``) are allowed
+before ``griddepcontrol.wait`` (they read nothing; any access through the converted generic address
+is still flagged), early loads allow plain loads and branches only, and ``--scan-cache`` checks every
+kernel with a ``USE_PDL`` parameter (names taken from the kernels' sources)."""
 
 from __future__ import annotations
 
@@ -47,18 +12,15 @@ import subprocess
 import sys
 
 
-from kvpilot.kernels import gemv as G
-from kvpilot.kernels import sampling as KS
-from support.paths import TESTS
+from support.paths import REPO, TOOLS
 
-TESTS = TESTS
 
 
 # ---- the PDL checker's cvta exemption ----------------------------------------------------------
 def _ptx_problems():
-    """``ptx_problems`` of tests/pdl_order_check.py without importing it (the import removes
+    """``ptx_problems`` of tools/pdl_order_check.py without importing it (the import removes
     TRITON_INTERPRET from this process's environment and installs compile-only machinery)."""
-    src = (TESTS / "pdl_order_check.py").read_text()
+    src = (TOOLS / "pdl_order_check.py").read_text()
     wanted = {"_PTX_MEM", "_PTX_OK_SPACES", "_PTX_LOADS", "_ptx_instructions", "ptx_problems"}
     body = [n for n in ast.parse(src).body
             if (isinstance(n, ast.FunctionDef) and n.name in wanted)
@@ -96,7 +58,7 @@ def test_pdl_checker_allows_address_conversions_only():
 def _pdl_kernel_names() -> set[str]:
     """Functions of kernels/*.py (not pdl.py's helpers) with a ``USE_PDL`` parameter, from the sources."""
     names = set()
-    for path in (TESTS.parent / "kernels").glob("*.py"):
+    for path in (REPO / "kernels").glob("*.py"):
         if path.name != "pdl.py":
             names |= {n.name for n in ast.walk(ast.parse(path.read_text()))
                       if isinstance(n, ast.FunctionDef) and "USE_PDL" in [a.arg for a in n.args.args]}
@@ -104,8 +66,8 @@ def _pdl_kernel_names() -> set[str]:
 
 
 def test_pdl_checker_early_loads_allow_plain_loads_and_branches_only():
-    """``EARLY_LOADS`` kernels (the fused decode attention, thirteenth session) may load the step's
-    metadata and branch before the wait; stores, atomics and asynchronous copies stay forbidden."""
+    """``EARLY_LOADS`` kernels (the fused decode attention) may load the step's metadata and branch before
+    the wait; stores, atomics and asynchronous copies stay forbidden."""
     problems = _ptx_problems()
     ok = ("ld.global.b32 %r1, [%rd2];", "ld.global.v4.b32 {%r1, %r2, %r3, %r4}, [%rd2];", "ld.u64 %rd24, [%rd22];",
           "ld.global.nc.b32 %r1, [%rd2];", "bra $L__BB0_2;", "ret;")
@@ -119,10 +81,10 @@ def test_pdl_checker_early_loads_allow_plain_loads_and_branches_only():
 
 
 def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
-    """``pdl_order_check.py --scan-cache`` (the check of what the GPU's own Triton compiled) listed
-    its kernels by hand and skipped ``_gemv_tma_kernel`` (and ``_two_rank_all_reduce_kernel``): a
-    cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel, which may
-    load there) before its wait must yield one problem each."""
+    """``pdl_order_check.py --scan-cache`` (the check of what the GPU's own Triton compiled) checks every
+    kernel with a ``USE_PDL`` parameter, ``_gemv_tma_kernel`` and ``_two_rank_all_reduce_kernel``
+    included: a cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel,
+    which may load there) before its wait yields one problem each."""
     names = _pdl_kernel_names()
     assert {"_gemv_kernel", "_gemv_tma_kernel", "_two_rank_all_reduce_kernel"} <= names
     cache = tmp_path / "cache"
@@ -134,7 +96,7 @@ def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
             f"\t{access}\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n"
             f"\tret;\n}}\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(TESTS / "pdl_order_check.py"), "--scan-cache", str(cache)],
+    proc = subprocess.run([sys.executable, str(TOOLS / "pdl_order_check.py"), "--scan-cache", str(cache)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     flagged = {re.search(r"/(\w+)\.ptx: memory access before the wait", line).group(1)

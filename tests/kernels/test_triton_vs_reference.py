@@ -11,8 +11,7 @@ import os
 import pytest
 import torch
 
-# Sibling test module (pytest puts tests/ on sys.path): the shared paged-batch builder and the naive
-# dense attention.
+# The shared paged-batch builder and the naive dense attention.
 from support.paged_attention import make_paged_batch, naive_attention
 
 from kvpilot.kernels import (
@@ -400,7 +399,7 @@ def test_decode_lazy_rescale_is_bit_identical(monkeypatch, num_splits, kv_dtype)
 @pytest.mark.parametrize("num_splits, lazy", [(1, True), (3, False)])
 def test_split_decode_launch_is_eager(monkeypatch, num_splits, lazy):
     """Lazy rescale is compiled into launches without context splits only: with splits (long
-    contexts at small batch) it measured 6-8% slower on an H200 (BENCHMARKS.md seventh session)."""
+    contexts at small batch) it measured 6-8% slower on an H200 (BENCHMARKS.md)."""
     from kvpilot.kernels import attention
     from kvpilot.kernels import attention_common, decode_attention, fused_decode_attention, prefill_attention  # noqa: F401
 

@@ -196,9 +196,6 @@ async def test_autoscaling_end_to_end(operator_env, engines):
     env = operator_env
     await env.start()
     cr = make_cr("llama", SPEC)
-    # kopf puts a finalizer on CRs that have a daemon, with a JSON patch that tests
-    # metadata.resourceVersion; the emulator assigns none, so give it one (it never changes).
-    cr["metadata"]["resourceVersion"] = "1"
     await env.create_cr(cr)
     rs = FakeReplicaSet(env, engines)
     rs_task = asyncio.create_task(rs.run())

@@ -47,7 +47,6 @@ async def test_autoscaled_deployment_scales_down_under_chart_rbac(operator_env):
         load = {"kv": 0.95}
         await env.start()
         cr = make_cr("llama", SPEC)
-        cr["metadata"]["resourceVersion"] = "1"  # kopf's finalizer patch tests it
         await env.create_cr(cr)
         dep = await env.wait_for(lambda: (d := env.get("Deployment", NAMESPACE, "llama")) and d)
         labels = dep["spec"]["template"]["metadata"]["labels"]

@@ -21,7 +21,7 @@ CHART = REPO / "charts" / "kvpilot"
 
 def test_chart_crd_is_identical_to_crds_dir():
     source = (REPO / "crds" / crd.CRD_FILENAME).read_bytes()
-    assert (CHART / "templates" / "crd.yaml").read_bytes() == source
+    assert (CHART / "files" / "llmdeployments.crd.yaml").read_bytes() == source
     assert b"{{" not in source, "the CRD is shipped as a Helm template: no template syntax allowed"
 
 

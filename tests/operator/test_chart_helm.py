@@ -29,7 +29,7 @@ def test_helm_template_renders_valid_objects(name):
     assert "Deployment" in kinds and "ClusterRole" in kinds
     for doc in docs:
         if doc["kind"] in ("KopfPeering", "ClusterKopfPeering"):
-            continue  # custom resources: their CRDs are validated in test_operator_chart.py
+            continue  # custom resources: their CRDs are validated in test_chart.py
         kubernetes_validate.validate(doc, "1.35.0", strict=True)
 
 
@@ -39,3 +39,20 @@ def test_namespaced_install_grants_roles_only_in_watched_namespaces():
     assert roles == ["ml", "research"]
     assert not rbac.allows(rbac.chart_rules(*VALUE_SETS["namespaced"], namespace="other"), "apps", "deployments", "get")
     assert rbac.allows(rbac.chart_rules(*VALUE_SETS["namespaced"], namespace="ml"), "apps", "deployments", "get")
+
+
+def _crds(docs):
+    return [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+
+
+def test_install_crds_false_leaves_the_crd_out():
+    import yaml
+
+    source = yaml.safe_load((rbac.CHART.parents[1] / "crds" / "serving.kvpilot.io_llmdeployments.yaml").read_text())
+    installed = _crds(rbac.rendered())
+    assert installed == [source]  # the release installs (and upgrades) exactly the CRD in crds/
+    assert installed[0]["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert _crds(rbac.rendered("installCRDs=false")) == []
+    # Everything else is still there.
+    kinds = {d["kind"] for d in rbac.rendered("installCRDs=false")}
+    assert {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"} <= kinds

@@ -106,6 +106,16 @@ BAD = [
     ("bad service type", with_spec(service={"type": "Ingress"}), "'Ingress' is not one of"),
     ("port out of range", with_spec(service={"port": 70000}), "greater than the maximum of 65535"),
     ("short startup", with_spec(startup={"timeoutSeconds": 0}), "less than the minimum of 10"),
+    ("TP 3: heads split unevenly", with_spec(parallelism={"tensor": 3}), "power of two"),
+    ("TP 5", with_spec(parallelism={"tensor": 5}), "power of two"),
+    ("TP larger than a node", with_spec(parallelism={"tensor": 16}), "must divide gpusPerNode"),
+    ("TP 3 x PP 4 on 4-GPU nodes", with_spec(parallelism={"tensor": 3, "pipeline": 4}, gpusPerNode=4), "power of two"),
+    ("s3 model", with_spec(model={"name": "s3://bucket/llama"}), "other URLs"),
+    ("hf model URL", with_spec(model={"name": "hf://meta-llama/Llama-3.1-8B"}), "other URLs"),
+    ("memory: lots", with_spec(resources={"memory": "lots"}), "non-negative Kubernetes quantity"),
+    ("negative cpu", with_spec(resources={"cpu": "-3"}), "non-negative Kubernetes quantity"),
+    ("bad shm size", with_spec(resources={"shmSize": "big"}), "non-negative Kubernetes quantity"),
+    ("bad storage size", with_spec(storage={"size": "1 TB"}), "non-negative Kubernetes quantity"),
     ("name with capitals", {**with_spec(), "metadata": {"name": "Bad_Name"}}, "DNS-1035 label"),
     ("name too long", {**with_spec(), "metadata": {"name": "a" * 64}}, "DNS-1035 label"),
 ]
@@ -118,15 +128,20 @@ def test_bad_crs_are_rejected(name, obj, message):
     assert any(message in e for e in info.value.errors), info.value.errors
 
 
-@pytest.mark.parametrize("tp,pp,gpus,ok", [(8, 1, 8, True), (3, 1, 8, True), (8, 2, 8, True), (16, 1, 8, True),
-                                            (4, 4, 8, True), (3, 3, 8, False), (8, 3, 16, False), (2, 2, 2, True)])
+SHAPE_MESSAGES = ("fill whole nodes", "power of two", "must divide gpusPerNode")
+
+
+@pytest.mark.parametrize("tp,pp,gpus,ok", [(8, 1, 8, True), (3, 1, 8, False), (8, 2, 8, True), (16, 1, 8, False),
+                                            (4, 4, 8, True), (3, 3, 8, False), (8, 3, 16, False), (2, 2, 2, True),
+                                            (5, 1, 8, False), (3, 4, 4, False), (2, 4, 4, True), (4, 1, 6, False)])
 def test_shape_rule(tp, pp, gpus, ok):
     obj = with_spec(parallelism={"tensor": tp, "pipeline": pp}, gpusPerNode=gpus)
     if ok:
         crd.normalize(obj)
     else:
-        with pytest.raises(crd.InvalidLLMDeployment, match="fill whole nodes"):
+        with pytest.raises(crd.InvalidLLMDeployment) as info:
             crd.normalize(obj)
+        assert any(m in e for e in info.value.errors for m in SHAPE_MESSAGES), info.value.errors
 
 
 def test_every_cel_rule_compiles_and_has_a_message():
@@ -140,7 +155,7 @@ def test_every_cel_rule_compiles_and_has_a_message():
             walk(schema["items"])
 
     walk(crd.openapi_schema())
-    assert len(rules) == 6
+    assert len(rules) == 13  # 6 + TP power of two, TP within a node, model URL form, 4 quantities
     for rule in rules:
         assert rule["message"]
         crd._compile_cel(rule["rule"])

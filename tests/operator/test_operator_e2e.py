@@ -42,8 +42,9 @@ async def test_create_update_restart_and_quiet(operator_env):
     # rendered spec, and a status that says "not ready yet".
     for kind in CHILDREN:
         await env.wait_for(lambda kind=kind: env.get(kind, NAMESPACE, "llama"))
-    cr = await env.wait_for(lambda: (env.get("LLMDeployment", NAMESPACE, "llama") or {}).get("status") and
-                            env.get("LLMDeployment", NAMESPACE, "llama"))
+    # The reconcile's own status write (with Reconciled) may follow a child event's.
+    cr = await env.wait_for(lambda: "Reconciled" in _conditions(env.get("LLMDeployment", NAMESPACE, "llama") or {})
+                            and env.get("LLMDeployment", NAMESPACE, "llama"))
     expected = {o["kind"]: o for o in render(make_cr("llama"))}
     for kind in CHILDREN:
         live = env.get(kind, NAMESPACE, "llama")
@@ -108,6 +109,9 @@ async def test_growing_past_one_node_swaps_deployment_for_leader_worker_set(oper
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "big"))
     await env.patch("LLMDeployment", NAMESPACE, "big", {"spec": {"parallelism": {"pipeline": 2}}})
     lws = await env.wait_for(lambda: env.get("LeaderWorkerSet", NAMESPACE, "big"))
+    # A surge: the Deployment goes only once the LeaderWorkerSet is Ready.
+    await env.patch("LeaderWorkerSet", NAMESPACE, "big",
+                    {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}}, subresource="status")
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "big") is None)
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     assert lws["metadata"]["ownerReferences"][0]["uid"] == "uid-big"

@@ -69,6 +69,7 @@ async def test_two_server_errors_delay_creation_by_backoff_not_a_minute(operator
     await env.wait_for(lambda: (_condition(env) or ("",))[0] == "True", timeout=5)
     stop.set()
     await watcher
+    seen.append(_condition(env))
     print(f"created after two 500s in {elapsed:.2f} s")
     assert elapsed < 3.0
     # The failure was visible while it lasted: a condition with the reason, and a Warning Event.

@@ -27,6 +27,7 @@ OWNER = [{"apiVersion": "serving.kvpilot.io/v1alpha1", "kind": "LLMDeployment", 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 MODEL_DIR = f"/models/hub/{MODEL}/main"
 HEALTH = {"path": "/health", "port": "http"}
+LIVE = {"path": "/v1/health/live", "port": "http"}
 SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
             "seccompProfile": {"type": "RuntimeDefault"}}
 
@@ -79,8 +80,8 @@ def check_pod(pod: dict, gpus: int, args: list[str], leader: bool = True, multi_
             ports.append({"name": "dist", "containerPort": 29500, "protocol": "TCP"})
         assert c["ports"] == ports
         assert c["startupProbe"] == {"httpGet": HEALTH, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 180}
-        assert c["readinessProbe"] == {"httpGet": HEALTH, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 1}
-        assert c["livenessProbe"] == {"httpGet": HEALTH, "periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 4}
+        assert c["readinessProbe"] == {"httpGet": HEALTH, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+        assert c["livenessProbe"] == {"httpGet": LIVE, "periodSeconds": 15, "timeoutSeconds": 10, "failureThreshold": 3}
     else:
         assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe"} & set(c)
 
@@ -91,7 +92,7 @@ def check_deployment(dep: dict, gpus: int, tp: int, pp: int) -> None:
     assert spec["selector"] == {"matchLabels": SELECTOR}
     assert spec["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert spec["progressDeadlineSeconds"] == 1800 + 600
-    assert spec["template"]["metadata"]["labels"] == LABELS
+    assert spec["template"]["metadata"]["labels"] == {**LABELS, "serving.kvpilot.io/workload": "Deployment"}
     check_pod(spec["template"]["spec"], gpus, engine_args(tp, pp))
 
 
@@ -120,7 +121,7 @@ def test_tp8_pp2_leader_worker_set():
     group = lws["leaderWorkerTemplate"]
     assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
     for key, leader in (("leaderTemplate", True), ("workerTemplate", False)):
-        assert group[key]["metadata"]["labels"] == LABELS
+        assert group[key]["metadata"]["labels"] == {**LABELS, "serving.kvpilot.io/workload": "LeaderWorkerSet"}
         check_pod(group[key]["spec"], 8, engine_args(8, 2), leader=leader, multi_node=True)
     leaders = {**SELECTOR, "leaderworkerset.sigs.k8s.io/worker-index": "0"}
     check_service_and_pdb(objects, leaders)
@@ -129,10 +130,12 @@ def test_tp8_pp2_leader_worker_set():
         "leaderworkerset.sigs.k8s.io/worker-index=0")
 
 
-def test_tp16_on_8_gpu_nodes_is_two_pods_of_8():
-    lws = render(cr(tensor=16))[0]["spec"]["leaderWorkerTemplate"]
+def test_16_gpus_on_8_gpu_nodes_is_two_pods_of_8_and_tp_stays_in_a_node():
+    lws = render(cr(tensor=8, pipeline=2))[0]["spec"]["leaderWorkerTemplate"]
     assert lws["size"] == 2
     assert lws["workerTemplate"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    with pytest.raises(ValueError, match="must divide gpusPerNode"):  # TP 16 would straddle two nodes
+        render(cr(tensor=16))
 
 
 def test_every_engine_setting_becomes_a_flag():
@@ -169,7 +172,7 @@ def test_every_engine_setting_becomes_a_flag():
     assert pod["volumes"][1] == {"name": "models", "persistentVolumeClaim": {"claimName": "model-cache"}}
     assert pod["nodeSelector"] == {"gpu": "h200"} and pod["tolerations"] == extra["tolerations"]
     assert pod["terminationGracePeriodSeconds"] == 5 + 120 + 10
-    assert c["livenessProbe"]["failureThreshold"] == 10  # outlasts the 125 s drain: ceil(125/15)+1
+    assert c["livenessProbe"]["failureThreshold"] == 3  # /v1/health/live stays 200 through the 125 s drain
     assert c["startupProbe"]["failureThreshold"] == 360
     assert objects[1]["spec"]["type"] == "LoadBalancer" and objects[1]["spec"]["ports"][0]["port"] == 80
 

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import torch
 
-# llama2.c's documented greedy continuation of stories260K from BOS (../shared/models/stories260K/SOURCE.md).
-GOLDEN = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
-          "One day, she saw a big, red ball. She wanted to play with it, but it was too high.")
+from kvpilot.tools.convert_llama2c import STORIES260K_GREEDY as GOLDEN  # noqa: F401  (re-exported)
 
 
 def make_tiny_llama(path: Path, seed: int = 0, rope_scaling: dict | None = None, shards: bool = False,

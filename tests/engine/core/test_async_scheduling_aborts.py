@@ -1,18 +1,13 @@
-"""Fifth session, review of async scheduling (commit 73a1489): defects found by driving the engine
-on the CPU with ``KVPILOT_ASYNC_SCHEDULING=1`` and comparing with the synchronous engine.
+"""Aborts and preemption under asynchronous scheduling (``KVPILOT_ASYNC_SCHEDULING=1``), compared with
+the synchronous engine on CPU.
 
 - An abort that reads the in-flight step (`EngineCore.abort_request`) runs on the engine thread
-  outside the step's error handling: a failed read there killed the engine loop, so every later
-  request got `EngineDeadError` (the synchronous engine's abort never touches the device).
-- Tokens read by an abort (or `fail_all`) of the in-flight step were never counted in any
-  iteration's ``num_generation_tokens`` (the Prometheus generation-token counter fell behind the
-  synchronous engine by up to a batch per abort).
-- (Not from that commit; found on the way, synchronous engine too.) A beam request whose beam was
-  preempted livelocked when the head of the waiting queue did not fit: its running beam recomputed
-  its last token forever, waiting for siblings that could never be admitted. Fixed: a beam request's
-  sequences are preempted and admitted together (engine/core/scheduler.py; more cases in
-  tests/test_beam_preemption.py).
-"""
+  outside the step's error handling: a failed read there leaves the engine serving later requests.
+- Tokens read by an abort (or `fail_all`) of the in-flight step are counted in the iteration's
+  ``num_generation_tokens`` (the Prometheus generation-token counter matches the synchronous engine).
+- A beam request whose beam was preempted behind a request at the head of the waiting queue that does
+  not fit finishes: a beam request's sequences are preempted and admitted together
+  (engine/core/scheduler.py; more cases in test_beam_preemption.py)."""
 
 from __future__ import annotations
 

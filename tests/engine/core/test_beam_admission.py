@@ -1,20 +1,10 @@
-"""Fresh-eyes review of session 6's changes (commits a1882c3 and e27526d, uncommitted when reviewed).
+"""Beam requests in the scheduler: preempted and admitted all-or-nothing, `RequestTooLargeError` for a
+beam wider than the step's token budget or ``max_batch_size``, a beam request that fits alone is never
+preempted out of the pool or starved by a stream of small requests, and aborts while its beams are
+preempted free everything (engine/core/scheduler.py).
 
-1. kernels/sampling.py: the pivot path (top-p / min-p rows), now on by default, with its states
-   double-buffered per launch, min-p-only rows searching level 0 only, and a debug mode.
-2. kernels/attention.py: ``TUNING["decode"]["lazy_rescale"]`` (claimed bit-identical).
-3. engine/core/scheduler.py & co.: beam requests preempted and admitted all-or-nothing,
-   `RequestTooLargeError`, `LLM` refusing a beam width above ``max_batch_size``.
-
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
-fix is; all are fixed, the beam re-admission one first by a mitigation (passing over, as preemption
-victim, a lockstep request that could not be re-admitted unshared) and in the seventh session by the
-suggested fix: re-admitted beams share their common full blocks again, tests/test_beam_readmission.py);
-the others
-confirm behaviour the review checked. All CPU tests are fast; the pivot-path tests
-run the Triton kernels under ``TRITON_INTERPRET=1``; two tests compile kernels for sm_90 in a
-subprocess (no GPU needed; skipped without Triton's nvidia backend); ``gpu`` tests need an H200.
-"""
+The ``sim`` tests drive the scheduler and KV cache manager without a model (`support.beams._SimEngine`);
+the others run the tiny random Llama on CPU, with and without asynchronous scheduling."""
 
 from __future__ import annotations
 
@@ -30,29 +20,27 @@ from support.beams import PROMPTS, tiny  # noqa: F401 (tiny: the model fixture)
 
 # ==== 3. beam requests in the scheduler =========================================================
 def test_sim_beam_wider_than_the_step_token_budget_fails():
-    """Was a defect, fixed this session.
-    `LLM` refuses a beam width above ``max_batch_size``, and `unfit_error` knows a group
-    needing more tokens per step than ``max_num_tokens``, but a new beam request enters the queue
-    as ONE sequence, so `_admit_group` admits it (budget >= 1) and it forks to its width W after
-    its first token. With W > max_num_tokens the step never has a token for every beam: the beams
-    that got one roll back (`BeamSearch.step`) and the request steps forever (the engine never
-    sees an unschedulable head, so it never fails it). Fix: in `Scheduler._admit_group`, refuse a
-    lockstep request whose ``max_num_seqs > self.max_num_tokens`` (so the engine's "nothing can
-    ever run" path fails it), compare ``width`` (not ``len(group)``) with max_num_tokens in
-    `unfit_error`, and refuse it in `LLM._make_request` as for max_batch_size."""
+    """A beam request wider than ``max_num_tokens`` fails with RequestTooLargeError instead of stepping
+    forever.
+
+    A new beam request enters the queue as ONE sequence and forks to its width W after its first
+    token. With W > max_num_tokens the step never has a token for every beam: the beams that got one
+    roll back (`BeamSearch.step`) and the request would step forever. `Scheduler._admit_group` refuses a
+    lockstep request whose ``max_num_seqs > self.max_num_tokens`` (the engine's "nothing can ever run"
+    path fails it), and `unfit_error` compares ``width`` (not ``len(group)``) with max_num_tokens."""
     sim = _SimEngine(num_blocks=16, block_size=4, max_num_tokens=2, max_batch_size=8, reuse=True)
     sim.add(0, 3, 5, use_beam_search=True, n=1, best_of=3)
     ok = sim.add(1, 3, 5)
-    sim.run(max_steps=200)  # AssertionError "livelock" on the reviewed tree
+    sim.run(max_steps=200)  # AssertionError "livelock" if the request steps forever
     assert list(sim.errors) == [0] and "max_num_tokens is 2" in str(sim.errors[0])
     assert ok.seqs[0].num_output_tokens == 5
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_beam_wider_than_max_num_tokens_is_refused(tiny, monkeypatch, async_scheduling):
-    """The same with the engine (tiny Llama): 3 beams with ``max_num_tokens=2`` must be refused at
-    submit (ValueError naming max_num_tokens) or fail with RequestTooLargeError; the other request
-    is served. On the reviewed tree `_drive` stops it as a livelock."""
+    """The same with the engine (tiny Llama): 3 beams with ``max_num_tokens=2`` are refused at submit
+    (ValueError naming max_num_tokens) or fail with RequestTooLargeError; the other request is served
+    (`_drive` stops a livelock)."""
     d, _model = tiny
     llm = _llm(d, monkeypatch, async_scheduling, pool_tokens=256, max_num_tokens=2)
     beam = SamplingParams(use_beam_search=True, best_of=3, n=1, max_tokens=6)
@@ -85,21 +73,15 @@ GREEDY24 = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.mark.parametrize("reuse", [False, True], ids=["no reuse", "reuse"])
 def test_sim_beam_request_that_fits_alone_is_not_preempted_out_of_the_pool(reuse):
-    """Was a defect, fixed this session. The scheduler-level form of the case above (`_SimEngine` of
-    tests/test_beam_preemption.py, whose random workloads avoid it on purpose: "every request fits
-    the pool alone even when its sequences share no block"). Alone the beam request finishes; behind
-    the greedy request it is preempted and then failed with RequestTooLargeError, although
-    `LLM` accepted it (prompt + max_tokens fits the pool) and the pool it waits for is empty.
-    `_group_blocks` counts a shared block once only if the prefix cache still holds it; forked
-    beams shared their parent's blocks by reference, which preemption throws away.
-    Suggested fix: re-admit a lockstep group with its common full-block prefixes shared inside the
-    group (allocate each distinct full block once, the later beams take it by reference and compute
-    their own tokens only once the first beam has computed it: `BeamSearch.step` already rolls back
-    beams of a step that did not give every beam logits). Mitigation: in `_preempt_last`, do not
-    choose a lockstep request whose unshared need ``sum(blocks_needed(s.num_tokens))`` exceeds
-    ``kv.num_blocks`` while another victim exists (tried: removes ~3/4 of random-workload failures,
-    not all: a group re-admitted unshared can still outgrow the pool later). Seventh session: the
-    suggested fix replaced the mitigation (engine/core/scheduler.py `_group_plan`, `_admit_group`)."""
+    """A beam request that fits the pool alone finishes behind a growing greedy request that preempts it
+    (`_SimEngine`; the random workloads of test_beam_preemption.py keep every request fitting the pool
+    alone even when its sequences share no block, so they do not reach this case).
+
+    Forked beams share their parent's blocks by reference, which preemption throws away; counted
+    unshared, the re-admitted group would need more blocks than the pool has. The scheduler re-admits a
+    lockstep group with its common full-block prefixes shared inside the group (each distinct full block
+    allocated once; the later beams take it by reference and compute their own tokens only once the
+    first beam has computed it; engine/core/scheduler.py `_group_plan`, `_admit_group`)."""
     def run(items):
         sim = _SimEngine(num_blocks=12, block_size=4, max_num_tokens=64, max_batch_size=8, reuse=reuse)
         reqs = [sim.add(rid, prompt, max_tokens, **kw) for rid, (prompt, max_tokens, kw) in enumerate(items)]
@@ -119,12 +101,9 @@ def test_sim_beam_request_that_fits_alone_is_not_preempted_out_of_the_pool(reuse
 @pytest.mark.parametrize("reuse", [False, True], ids=["no reuse", "reuse"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_beam_request_that_fits_alone_finishes_behind_a_growing_request(tiny, monkeypatch, async_scheduling, reuse):
-    """Was a defect, fixed this session.
-    (the mitigation below), end to end (tiny Llama, CPU): the beam request alone returns its beams;
-    behind a
-    growing greedy request it fails with RequestTooLargeError ("its 3 beams of 17 tokens need 15
-    (reuse: 13) KV-cache blocks together, but the pool has 12"). Both requests must return what
-    they return alone. See the scheduler-level test above for cause and fix."""
+    """End to end (tiny Llama, CPU): the beam request alone returns its beams; behind a growing greedy
+    request (its 3 beams of 17 tokens need 15 blocks unshared, 13 with reuse, the pool has 12) it
+    finishes too, and both requests return what they return alone. See the scheduler-level test above."""
     d, _model = tiny
 
     def run(items):
@@ -148,11 +127,10 @@ def test_beam_request_that_fits_alone_finishes_behind_a_growing_request(tiny, mo
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_abort_of_a_beam_request_while_its_beams_are_preempted(tiny, monkeypatch, async_scheduling):
-    """Checked: a beam request preempted by a growing greedy request admitted before it (a 20-block
-    pool: re-admitted, even unshared, its beams would fit), aborted while all three beams wait
-    without blocks: the request ends with RequestAborted, its sequences leave the queue, no batch
-    slots stay reserved for it, the greedy request returns what it returns alone, and every block
-    comes back."""
+    """A beam request preempted by a growing greedy request admitted before it (a 20-block pool:
+    re-admitted, even unshared, its beams would fit), aborted while all three beams wait without
+    blocks: the request ends with RequestAborted, its sequences leave the queue, no batch slots stay
+    reserved for it, the greedy request returns what it returns alone, and every block comes back."""
     d, _model = tiny
     greedy_prompt = [1] + list(range(30, 69))  # 10 blocks
     greedy = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)  # up to 19 blocks
@@ -194,9 +172,9 @@ def test_abort_of_a_beam_request_while_its_beams_are_preempted(tiny, monkeypatch
 
 
 def test_sim_beam_request_is_not_starved_by_a_stream_of_small_requests():
-    """Checked: a beam request (3 beams) queued behind a pool kept full by a new small request every
-    step is admitted in first-come order (small requests queued after it never overtake it, and
-    those admitted after it are preempted before it), so it finishes while the stream goes on."""
+    """A beam request (3 beams) queued behind a pool kept full by a new small request every step is
+    admitted in first-come order (small requests queued after it never overtake it, and those admitted
+    after it are preempted before it), so it finishes while the stream goes on."""
     sim = _SimEngine(num_blocks=12, block_size=4, max_num_tokens=16, max_batch_size=8, reuse=True)
     rid = 0
     for _ in range(3):

@@ -1,15 +1,15 @@
 """Beam requests under KV-cache pressure: a request's beams are preempted and admitted together.
 
 A beam-search step needs the logits of every beam of a request at once, so a beam that runs while a
-sibling waits only recomputes its last token. Before the fix (tests/test_review_session5b.py), beams
-were preempted and admitted one at a time: a running beam held blocks while its siblings waited
-behind a request that only those blocks would have let in, and the engine stepped forever.
+sibling waits only recomputes its last token. Preempted and admitted one at a time, a running beam
+would hold blocks while its siblings waited behind a request that only those blocks would let in,
+and the engine would step forever.
 
 - Scheduler level (no model): a simulated engine over random workloads checks the invariants
   (a beam request's sequences are all running or all waiting, batch slots reserved for its width,
   the step's budget, block reference counts, every attended KV slot holding the sequence's own
   prefix) and that every request finishes. Re-admission with shared blocks:
-  tests/test_beam_readmission.py.
+  tests/engine/core/test_beam_readmission.py.
 - Engine level (a tiny random Llama, CPU): beams under preemption equal transformers' beam search,
   with async scheduling on and off, block reuse on and off (beams share their parents' full blocks)
   and several pool sizes; seeded n>1 / best_of sampling under preemption equals an unpressured run;
@@ -37,8 +37,8 @@ RUNNING, WAITING, FINISHED = SequenceStatus.RUNNING, SequenceStatus.WAITING, Seq
 
 
 def test_sim_the_livelock_case_finishes():
-    """The review case in scheduler terms: a beam request (width 3) and a long request that, once
-    preempted, fits only if the beams give their blocks back."""
+    """In scheduler terms: a beam request (width 3) and a long request that, once preempted, fits only if
+    the beams give their blocks back; both finish."""
     sim = _SimEngine(num_blocks=8, block_size=16, max_num_tokens=64, max_batch_size=8, reuse=True)
     sim.add(0, 2, 60)
     sim.add(1, 2, 28, use_beam_search=True, n=2, best_of=3)
@@ -155,19 +155,19 @@ def test_beams_under_preemption_equal_transformers(tiny, unpressured, monkeypatc
             _same_tokens(out, ref)
 
 
-REVIEW_SEEDED = SamplingParams(temperature=1.0, seed=9, top_p=0.5, max_tokens=60, ignore_eos=True)
-REVIEW_BEAM = SamplingParams(max_tokens=30, use_beam_search=True, n=2, best_of=3)
+PRESSURE_SEEDED = SamplingParams(temperature=1.0, seed=9, top_p=0.5, max_tokens=60, ignore_eos=True)
+PRESSURE_BEAM = SamplingParams(max_tokens=30, use_beam_search=True, n=2, best_of=3)
 
 
 @pytest.fixture(scope="module")
-def review_refs(tiny):
-    """The review case's seeded request and a 100-token greedy run, alone in a large pool."""
+def pressure_refs(tiny):
+    """The seeded request and a 100-token greedy run of the case below, alone in a large pool."""
     d, _model = tiny
     mp = pytest.MonkeyPatch()
     try:
         llm = _llm(d, mp, False, pool_tokens=2048, block=16)
         try:
-            items = [([1, 5, 9], REVIEW_SEEDED), ([1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))]
+            items = [([1, 5, 9], PRESSURE_SEEDED), ([1], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))]
             return [_drive(llm, [item])[0].result(timeout=0) for item in items]
         finally:
             llm.shutdown()
@@ -177,25 +177,25 @@ def review_refs(tiny):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("pool_tokens,block", [(64, 4), (80, 8), (96, 16), (112, 16)])
-def test_beam_request_behind_a_request_that_needs_its_blocks_finishes(tiny, review_refs, monkeypatch,
+def test_beam_request_behind_a_request_that_needs_its_blocks_finishes(tiny, pressure_refs, monkeypatch,
                                                                       async_scheduling, pool_tokens, block):
-    """tests/test_review_session5b.py's case on the tiny model, over pool and block sizes that all
-    livelocked before the fix: the long greedy request, preempted, fits again only once the beam
-    request's beams give their blocks back."""
+    """test_async_scheduling_aborts.py's beam case on the tiny model, over pool and block sizes where
+    the long greedy request, preempted, fits again only once the beam request's beams give their blocks
+    back: every request finishes with what it returns alone."""
     d, model = tiny
     llm = _llm(d, monkeypatch, async_scheduling, pool_tokens, block=block, max_batch_size=8)
     long_tokens = min(100, pool_tokens - 1)
     try:
-        outs = _drive(llm, [([1, 5, 9], REVIEW_SEEDED), ([1, 40, 41], REVIEW_BEAM),
+        outs = _drive(llm, [([1, 5, 9], PRESSURE_SEEDED), ([1, 40, 41], PRESSURE_BEAM),
                             ([1], SamplingParams(temperature=0, max_tokens=long_tokens, ignore_eos=True))])
         preemptions = llm._core.scheduler.num_preemptions
     finally:
         llm.shutdown()
     assert preemptions > 0
     seeded, beam, greedy = (o.result(timeout=0) for o in outs)
-    _same_tokens(seeded, review_refs[0])
+    _same_tokens(seeded, pressure_refs[0])
     _check(beam, *_hf_beams(model, [1, 40, 41], 3, 2, 1.0, 30), 1.0)
-    assert greedy.outputs[0].token_ids == review_refs[1].outputs[0].token_ids[:long_tokens]
+    assert greedy.outputs[0].token_ids == pressure_refs[1].outputs[0].token_ids[:long_tokens]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

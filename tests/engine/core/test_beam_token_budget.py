@@ -1,19 +1,14 @@
-"""Seventh-session review of commit ef05b50 (re-admitted beam requests share their common full
-blocks again: engine/core/scheduler.py `_group_plan`, `_admit_group`, `_shared_prefix_ready`).
+"""Beam requests re-admitted after preemption share their common full blocks again
+(engine/core/scheduler.py `_group_plan`, `_admit_group`, `_shared_prefix_ready`), and beam requests
+interleaved across a token budget as small as their width all finish.
 
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the fix
-is); the others pin behaviour the review checked and found right. The one defect found is older than
-ef05b50 (a livelock of beam requests interleaved across a small token budget) and turned up while
-fuzzing its re-admission with small budgets. Checked and found right (fuzzed in the scheduler
-simulation with random aborts, and on stories260K against runs alone): reference counts when a
-request is aborted, preempted again or finished while a beam waits for shared blocks; a waiting
-beam's source is always a running sequence of its request; uncomputed shared blocks are never
-registered in the prefix cache, and cached blocks are taken before any allocation can evict them;
-the plan's block count equals what admission takes from the free queue; chunked recompute; async
-scheduling (readiness is read from counts advanced after the step that computes the blocks is
-launched). CPU tests take seconds (the scheduler simulation of tests/test_beam_preemption.py, or
-stories260K); the ``gpu`` test needs a CUDA GPU.
-"""
+Pinned: reference counts when a request is aborted, preempted again or finished while a beam waits
+for shared blocks; a waiting beam's source is always a running sequence of its request; uncomputed
+shared blocks are never registered in the prefix cache, and cached blocks are taken before any
+allocation can evict them; the plan's block count equals what admission takes from the free queue;
+chunked recompute; async scheduling (readiness is read from counts advanced after the step that
+computes the blocks is launched). CPU tests take seconds (the scheduler simulation
+`support.beams._SimEngine`, or stories260K); the ``gpu`` test needs a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -28,7 +23,7 @@ from support.beams import _alone, _drive, _llm, _same_tokens, _SimEngine
 from support.beams import _alone_then_mixed, _mix_failed, _workload
 from support.beams import tiny  # noqa: F401 (tiny: the model fixture)
 
-# Two beam requests (3 beams, 16-token prompts) as in tests/test_beam_readmission.py.
+# Two beam requests (3 beams, 16-token prompts) as in tests/engine/core/test_beam_readmission.py.
 BEAM8 = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=8, ignore_eos=True)
 PAIR = [([1] + list(range(10, 25)), BEAM8), ([1] + list(range(50, 65)), BEAM8)]
 
@@ -41,16 +36,13 @@ def pair_alone(stories_model_dir):
 
 # ---- livelock: beams of two requests interleaved across the step's token budget ----------------
 def test_sim_two_beam_requests_wider_than_the_token_budget_both_finish():
-    """Was a defect (older than ef05b50, found while fuzzing its re-admission with small budgets).
-
-    Beam forks were appended at the end of the running list, behind sequences admitted after their
-    request: with two beam requests of width 3 and a budget of 3 tokens the running order became
-    [a0, b0, a1, a2, b1, b2]. Each step the budget reached a0, b0 and a1, never every beam of
-    either request, so neither request ever got all of its beams' logits in one step (the
-    others compute their last token again: `BeamSearch.step`) and the engine stepped forever.
-    Fix: a fork joins the running list right after its request's other sequences
-    (`Scheduler.add_forks`), so a request's beams are contiguous and the first one in running
-    order always gets its whole width (at most ``max_num_tokens``, checked at admission)."""
+    """Two beam requests of width 3 with a budget of 3 tokens both finish: a fork joins the running list
+    right after its request's other sequences (`Scheduler.add_forks`), so a request's beams are
+    contiguous and the first one in running order always gets its whole width (at most
+    ``max_num_tokens``, checked at admission). Forks appended at the end would give the running order
+    [a0, b0, a1, a2, b1, b2]: each step the budget would reach a0, b0 and a1, never every beam of either
+    request (the others compute their last token again: `BeamSearch.step`), and the engine would step
+    forever."""
     sim = _SimEngine(num_blocks=64, block_size=4, max_num_tokens=3, max_batch_size=8, reuse=False)
     a = sim.add(0, 5, 6, use_beam_search=True, n=1, best_of=3)
     b = sim.add(1, 5, 6, use_beam_search=True, n=1, best_of=3)
@@ -61,9 +53,8 @@ def test_sim_two_beam_requests_wider_than_the_token_budget_both_finish():
 
 def test_engine_two_beam_requests_wider_than_the_token_budget_equal_their_runs_alone(stories_model_dir, pair_alone,
                                                                                      monkeypatch):
-    """The same livelock in the engine (stories260K, ``max_num_tokens`` 3, two width-3 beam requests,
-    one of them preempted and re-admitted with shared blocks): both now return what they return
-    alone."""
+    """The same in the engine (stories260K, ``max_num_tokens`` 3, two width-3 beam requests, one of them
+    preempted and re-admitted with shared blocks): both return what they return alone."""
     llm = _llm(stories_model_dir, monkeypatch, False, pool_tokens=48, reuse=False, block=4, max_batch_size=8,
                max_num_tokens=3)
     try:
@@ -75,10 +66,9 @@ def test_engine_two_beam_requests_wider_than_the_token_budget_equal_their_runs_a
 
 
 def test_sim_random_mixes_with_budgets_down_to_the_beam_width_finish_as_alone():
-    """120 random pools and mixes (tests/test_beam_readmission.py's workloads) with ``max_num_tokens``
-    of 3, 4 or 8 (beam widths up to it): every request that finishes alone finishes in the mix, each
-    beam request with the beams it has alone. Before `Scheduler.add_forks`, 13 of these mixes
-    livelocked."""
+    """120 random pools and mixes (`support.beams._workload`) with ``max_num_tokens`` of 3, 4 or 8 (beam
+    widths up to it): every request that finishes alone finishes in the mix, each beam request with the
+    beams it has alone (without `Scheduler.add_forks`, 13 of these mixes step forever)."""
     failed = []
     for seed in range(120):
         rng = random.Random(seed)
@@ -108,8 +98,8 @@ def test_abort_while_a_readmitted_beam_waits_frees_every_block(stories_model_dir
     """A beam request aborted while one of its re-admitted beams waits for blocks a sibling has not
     computed yet (``Sequence.shared_prefix`` set; the re-admission is given 2 tokens of budget so
     that the sibling needs several steps): every block comes back, and both requests submitted
-    again (prefix cache on: had an uncomputed shared block been registered, they would read it)
-    return what they return alone; the other request of the first round is not disturbed."""
+    again (prefix cache on: an uncomputed shared block registered in it would be read) return what
+    they return alone; the other request of the first round is not disturbed."""
     items, want = PAIR, pair_alone
     llm = _llm(stories_model_dir, monkeypatch, async_scheduling, pool_tokens=48, reuse=True, block=4,
                max_batch_size=8)
@@ -149,9 +139,8 @@ def test_abort_while_a_readmitted_beam_waits_frees_every_block(stories_model_dir
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_gpu_beam_requests_with_a_budget_of_their_width(tiny, monkeypatch, async_scheduling):
-    """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine (a
-    livelock before `Scheduler.add_forks`):
-    each returns what it returns with a large budget."""
+    """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine: each
+    returns what it returns with a large budget."""
     d, _model = tiny
     monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=16, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Fifth session: cases found on the GPU machines, reproduced without a GPU where possible."""
+"""The engine thread makes the logits' device its current CUDA device (Triton launches on the current
+device), reproduced without a GPU."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ class _Core:
 @pytest.mark.parametrize("device,expected", [(torch.device("cuda", 1), [torch.device("cuda", 1)]),
                                              (None, []), (torch.device("cpu"), [])])
 def test_engine_thread_makes_the_logits_device_current(monkeypatch, device, expected):
-    """With pipeline parallelism on one node the output rank is the last GPU, and the front end's
-    sampler launched Triton kernels on its logits from the engine thread, whose current device was
-    still GPU 0: every sampled request failed with "Pointer argument (at 0) cannot be accessed from
-    Triton (cpu tensor?)" (tests/test_parallel_gpu.py, PP 2, two H200s). The engine thread now makes
-    the executor's output device current before its first step."""
+    """With pipeline parallelism on one node the output rank is the last GPU, and the front end's sampler
+    launches Triton kernels on its logits from the engine thread: the engine thread makes the executor's
+    output device current before its first step (on GPU 0 every sampled request would fail with
+    "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)"; test_parallel_gpu.py runs
+    PP 2 on two GPUs)."""
     calls: list[tuple[object, str]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append((d, threading.current_thread().name)))
     loop = EngineLoop(_Core(device))

@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py; issue 9), on CPU.
+"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py), on CPU.
 
 Every layout computes a TP-``T`` group's decomposition, so in bf16:
 

@@ -1,4 +1,4 @@
-"""Two GPUs (NCCL), bf16, four layers of Llama-3.1-8B's shape (random weights; issue 9): one GPU with
+"""Two GPUs (NCCL), bf16, four layers of Llama-3.1-8B's shape (random weights): one GPU with
 ``KVPILOT_TP_INVARIANT=2`` gives TP 2's greedy tokens and logprobs exactly (engine/model/tp_invariant.py),
 one request at a time (prefill graphs and padded eager prefill, a 300-token prompt past the graphs, decode
 graphs) and five requests at once (decode graphs at batch 5, mixed steps); one GPU without the mode

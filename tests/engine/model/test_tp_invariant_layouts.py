@@ -1,20 +1,16 @@
-"""Review session 11: tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``, engine/model/tp_invariant.py).
+"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``, engine/model/tp_invariant.py) across layouts.
 
-- A tied model whose stage holds both ends held the vocabulary matrix twice with several shards per
-  rank (the embedding plus copies in the LM head shards: +0.5 GB on one GPU for Llama-3.2-1B with
-  ``T = 2``). The embedding now reads its rows from the LM head shards
-  (`tp_invariant.InvariantTiedEmbedding`): the parameters are the default model's plus padding rows,
-  and the lookup is bit for bit the default embedding's, on one rank and summed over two.
-- A bad ``T`` with parallel workers failed only inside every worker, after they started.
-  `tp_invariant.check_tp_invariant` is the check a front end runs first (engine/parallel/executor.py's
-  `validate_layout` is to call it); meanwhile the start fails fast with the worker's message.
-- A vocabulary smaller than ``(T - 1) * ceil(V / T)`` (a last shard with no row at all) failed to load
-  (``weights.load_weights``: a negative row count; also the default TP-``T`` embedding).
-- docs/parallelism.md said pipeline stages compose; with micro-batches (the default) a PP 2 step runs
-  other batches than one GPU's, whose bf16 rows may differ (seen on CPU: logits 0.0078 apart at 2 of
-  20 steps of a request decoding next to a longer one). Without micro-batches PP 2 with ``T = 2``
-  is TP 1 with ``T = 2`` bit for bit, several requests at once, prefix hits included (checked here).
-"""
+- A tied model whose stage holds both ends keeps the vocabulary matrix once: the embedding reads its
+  rows from the LM head shards (`tp_invariant.InvariantTiedEmbedding`); the parameters are the default
+  model's plus padding rows, and the lookup is bit for bit the default embedding's, on one rank and
+  summed over two.
+- `tp_invariant.check_tp_invariant` is the check a front end runs before workers start; a bad ``T``
+  with parallel workers fails fast with the worker's message.
+- A vocabulary smaller than ``(T - 1) * ceil(V / T)`` (a last shard with no row at all) loads.
+- Without micro-batches PP 2 with ``T = 2`` is TP 1 with ``T = 2`` bit for bit, several requests at
+  once, prefix hits included (with micro-batches a PP 2 step runs other batches than one GPU's, whose
+  bf16 rows may differ).
+- Ranks that disagree on the invariant size refuse to start."""
 
 from __future__ import annotations
 
@@ -56,7 +52,7 @@ def _runner(model_dir: Path, value, dtype: str = "bfloat16", tp_rank: int = 0, t
 @pytest.fixture(scope="module")
 def tied_model(tmp_path_factory) -> Path:
     # Tied embeddings, vocab 383 (not a multiple of 2 or 4: padded LM head shards), no biases.
-    return make_gqa_llama(tmp_path_factory.mktemp("review11") / "tied", vocab=383, bias=False, tie=True)
+    return make_gqa_llama(tmp_path_factory.mktemp("tp_invariant") / "tied", vocab=383, bias=False, tie=True)
 
 
 # ---- the tied vocabulary matrix is held once ---------------------------------------------------------
@@ -193,7 +189,7 @@ def _same(a, b) -> bool:
 @pytest.fixture(scope="module")
 def deep_model(tmp_path_factory) -> Path:
     # Four layers (two per pipeline stage), random biases, vocab 385.
-    return make_gqa_llama(tmp_path_factory.mktemp("review11") / "deep", layers=4)
+    return make_gqa_llama(tmp_path_factory.mktemp("tp_invariant") / "deep", layers=4)
 
 
 def test_pp2_without_microbatches_is_tp1_bit_for_bit(monkeypatch, deep_model):

@@ -1,4 +1,4 @@
-"""Review session 10: set-up of the one-shot tensor-parallel all-reduce (engine/parallel/custom_all_reduce.py).
+"""Set-up of the one-shot tensor-parallel all-reduce (engine/parallel/custom_all_reduce.py).
 
 `CustomAllReduce.create` must leave both ranks of a TP-2 group together, with buffers or with NCCL,
 and never make a collective its peer does not make. Two CPU processes (gloo) run it against fakes
@@ -13,8 +13,7 @@ the agreement tensors stay on the host), so the agreement logic itself runs for 
 - a rendezvous that fails on one rank only keeps NCCL on both instead of killing the engine.
 
 After each case both ranks make one more all-reduce, which must still pair up (collectives in step).
-GPU counterpart: tests/test_review_session10_gpu.py.
-"""
+GPU counterpart: test_custom_all_reduce_create_gpu.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Review session 10 on two GPUs: `CustomAllReduce.create`'s agreement steps (engine/parallel/custom_all_reduce.py)
-with NCCL and PyTorch's real symmetric memory.
+"""`CustomAllReduce.create`'s agreement steps (engine/parallel/custom_all_reduce.py) on two GPUs, with
+NCCL and PyTorch's real symmetric memory.
 
 Two processes, one GPU each:
 
@@ -7,12 +7,11 @@ Two processes, one GPU each:
    one-shot sums of 1, 64 and the default 256 tokens of a 4096-wide bf16 tensor equal NCCL's bit for bit
    on both ranks, and 257 tokens are not taken.
 2. ``KVPILOT_TP_CUSTOM_ALLREDUCE=0`` on one rank only: both ranks keep NCCL, and the next NCCL
-   all-reduce still pairs up (before the fix the enabled rank waited in a collective its peer never made).
+   all-reduce still pairs up (no rank waits in a collective its peer never makes).
 3. No peer access reported on one rank (as between MIG instances or PCIe GPUs without P2P; faked
    here): both ranks keep NCCL, and the next all-reduce pairs up.
 
-Skipped without two CUDA GPUs. CPU counterpart: tests/test_review_session10.py.
-"""
+Skipped without two CUDA GPUs. CPU counterpart: test_custom_all_reduce_create.py."""
 
 from __future__ import annotations
 

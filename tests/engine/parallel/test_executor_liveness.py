@@ -1,4 +1,8 @@
-"""Review of the fourth session's TP/PP front-end changes: cases that broke them."""
+"""The multi-process executor stays alive, or fails fast and clearly: step timing in a multi-node
+group, after a worker died and after shutdown (`EngineDeadError`), a dead tensor-parallel peer on a
+GPU, beam search with preemption and aborts through the plan encoding, and the logits event wait
+(returns once the event completes, stops when a worker dies, reports a worker's error, times out,
+keeps an answer that runs ahead)."""
 
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ from support.parallel import tiny_model_dir, tiny_single_reference  # noqa: E402
 def test_step_timing_in_a_multi_node_group_keeps_the_engine_alive(tmp_path, tiny_model_dir,
                                                                    tiny_single_reference, monkeypatch):
     """Two 'pods' of two ranks each (TP 2 x PP 2): the leader pod's rank 1 has a pipe too, but only
-    rank 0 may answer ``step_timing`` (an extra answer was read as an unexpected message at the next
-    step, and the engine died)."""
+    rank 0 answers ``step_timing`` (an extra answer would be read as an unexpected message at the next
+    step, and the engine would die)."""
     with lws_worker_pod(tmp_path, tiny_model_dir, monkeypatch, tp=2, pp=2):
         with LLM(str(tiny_model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, pipeline_parallel_size=2,
                  device="cpu") as llm:

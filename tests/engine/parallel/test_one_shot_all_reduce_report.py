@@ -1,19 +1,14 @@
-"""Review session 10b: the one-shot all-reduce's start-up report and switches, and
-``benchmarks/gpu_tp_profile.py --sampled``.
+"""The one-shot all-reduce's start-up report and switches.
 
-- The ready message's ``one_shot_all_reduce`` must hold for every rank of the world, not only for the
+- The ready message's ``one_shot_all_reduce`` holds for every rank of the world, not only for the
   ranks that have a pipe: in a LeaderWorkerSet group the leader's front end hears only its own pod's
-  ranks, so with TP 2 x PP 2 over two pods a stage that fell back to NCCL on the other pod was
+  ranks, so with TP 2 x PP 2 over two pods a stage that fell back to NCCL on the other pod must not be
   reported as taking the one-shot kernel. Two CPU processes (gloo) run the real `worker_main` with a
   stand-in `Worker` (the one-shot kernel needs two GPUs): rank 0 with a pipe and the kernel, rank 1
   (another pod: no pipe) without.
 - `make_worker_spec` checks ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` exactly where a worker would
   read it: not for TP 2 with one rank per pod (each TP group spans pods: NCCL) or on ROCm, where a
-  bad value has no effect and refusing to start is wrong; still on one node with TP 2 on CUDA.
-- ``--sampled`` warms the sampled path up before timing it (the sampling kernels compile on their
-  first call, which the greedy warm-up never makes) and counts exact-path rows over the timed runs
-  only. A stand-in `LLM` records the calls.
-"""
+  bad value has no effect and refusing to start is wrong; still on one node with TP 2 on CUDA."""
 
 from __future__ import annotations
 
@@ -90,7 +85,7 @@ def ready_messages():
 def test_ready_message_reports_the_one_shot_all_reduce_of_every_rank_not_only_piped_ones(ready_messages):
     msg = ready_messages["rank1_without_kernel"]
     assert msg[:3] == ("ready", 7, None), msg
-    # Was a defect: rank 0 reported its own kernel, though rank 1 (no pipe) sums with NCCL.
+    # rank 0 reported its own kernel, though rank 1 (no pipe) sums with NCCL.
     assert msg[3] == {"one_shot_all_reduce": False}, msg
     assert ready_messages["both_with_kernel"][3] == {"one_shot_all_reduce": True}
 
@@ -133,8 +128,8 @@ def test_bad_max_tokens_fails_before_workers_start_where_a_worker_would_read_it(
 @pytest.mark.parametrize("tp,pp,device,pods", [(2, 1, "cuda", 2), (2, 3, "cuda", 2), (2, 1, "cpu", 1),
                                                (1, 2, "cuda", 1), (4, 1, "cuda", 1)])
 def test_bad_max_tokens_is_ignored_where_no_worker_reads_it(bad_max_tokens, tp, pp, device, pods):
-    # Was a defect for TP 2 with a TP group spanning pods (one or three ranks per pod): the workers
-    # keep NCCL there and never read the variable, yet the engine refused to start.
+    # TP 2 with a TP group spanning pods (one or three ranks per pod): the workers keep NCCL there
+    # and never read the variable, so the engine starts.
     spec = _spec(tp, pp, device, pods)
     assert (spec.tp_size, spec.pp_size, spec.device) == (tp, pp, device)
 
@@ -147,4 +142,4 @@ def test_bad_max_tokens_is_ignored_on_rocm(bad_max_tokens, monkeypatch):
     assert _spec(2, 1, "cuda").tp_size == 2  # switched off: not read either
 
 
-# ---- benchmarks/gpu_tp_profile.py --sampled ----------------------------------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------

@@ -1,30 +1,22 @@
-"""Review of f6f7a30: the tensor-parallel output rank draws sampled tokens itself (``SYNC_SELF`` with
-`Worker.own_step`'s sampler, `RowEncoder` / `RowDecoder`, ``KVPILOT_TP_RANK_SAMPLING``).
+"""The tensor-parallel output rank draws sampled tokens itself (``SYNC_SELF`` with `Worker.own_step`'s
+sampler, `RowEncoder` / `RowDecoder`, ``KVPILOT_TP_RANK_SAMPLING``).
 
 Everything runs on CPU (gloo, TP 2) with ``KVPILOT_ASYNC_SCHEDULING=1``; tokens are compared with one
 process's (TP 1), which the same seeds must reproduce bit for bit.
 
-Defects (the docs test failed before the fix; the others restore coverage the commit lost or lacked):
-
-- docs/parallelism.md's ``SYNC_SELF`` item still described arg-max steps only and named
-  ``Worker.argmax_step``, which the commit renamed (`Worker.own_step`); neither it nor the README's
-  list of environment switches named ``KVPILOT_TP_RANK_SAMPLING``.
-- The commit turned the seeded requests of tests/test_review_session9.py into steps the output
-  rank samples, so tests written for ``SYNC_GO`` steps (a plan waiting for the front end's ids) no
-  longer ran one: the step-timing deadlock, a deferred step left with nothing to sample, the killed
-  rank-1 worker. They run here with ``logprobs=0`` (the front end samples), next to the same cases
-  for the output rank's own draws.
-- The commit's tests never made the output rank's sampler leave a row to the exact draw: the
-  rollback test only reported rows as redrawn. With a 4096-token vocabulary and flat distributions the
-  candidate path really hands rows over (-1 in the ids buffer, which ``SYNC_SELF`` steps read).
-
-Cases that held (pinned here): bit-identity with TP 1 under arrivals and aborts mid-flight, n > 1,
-stop strings, stop ids, EOS, ``max_tokens=1``, chunked prefill, prefix hits, preemption by recompute,
-logprobs / penalty / best_of requests switching steps to the front end and back; the record cache
-across sequence ids, record changes and steps the output rank did not sample; a sampler that fails
-in the output rank's read (a clear error with its traceback, no hang, no worker left); a rank killed
-while the output rank samples.
-"""
+- docs/parallelism.md's ``SYNC_SELF`` item and the README's list of switches describe the sampled
+  own steps and ``KVPILOT_TP_RANK_SAMPLING``.
+- ``SYNC_GO`` steps (a plan waiting for the front end's ids: requests with ``logprobs=0``) keep their
+  coverage next to the same cases for the output rank's own draws: the step-timing race, a deferred
+  step left with nothing to sample, a killed worker.
+- The output rank's candidate path really hands rows to the exact draw (-1 in the ids buffer, which
+  ``SYNC_SELF`` steps read): a 4096-token vocabulary with flat distributions.
+- Bit-identity with TP 1 under arrivals and aborts mid-flight, n > 1, stop strings, stop ids, EOS,
+  ``max_tokens=1``, chunked prefill, prefix hits, preemption by recompute, logprobs / penalty /
+  best_of requests switching steps to the front end and back; the record cache across sequence ids,
+  record changes and steps the output rank did not sample; a sampler that fails in the output rank's
+  read (a clear error with its traceback, no hang, no worker left); a rank killed while the output
+  rank samples."""
 
 from __future__ import annotations
 
@@ -54,7 +46,7 @@ def _sp(m: int, seed: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=m, seed=seed, **{"temperature": 0.8, **kw})
 
 
-# ---- defects ------------------------------------------------------------------------------------
+# ---- steps the front end samples, rows drawn again -----------------------------------------------
 
 def test_docs_describe_sampled_own_steps_and_the_switch():
     """docs/parallelism.md's ``SYNC_SELF`` item covers the sampled steps and the switch, and every
@@ -87,7 +79,7 @@ def go_llm(stories_model_dir):
 
 @pytest.mark.parametrize("who", ["front_end", "output_rank"])
 def test_a_deferred_step_left_with_nothing_to_sample(go_llm, who):
-    """tests/test_review_session9.py's ``sampled_stop_id`` case, on both paths: a seeded request
+    """test_tp_async_steps.py's ``sampled_stop_id`` case, on both paths: a seeded request
     whose stop id ends it while the next step is already planned (that step keeps no row and must
     still be awaited, as `await_logits` or `await_ids`), then more requests on the same engine."""
     llm = go_llm
@@ -105,9 +97,9 @@ def test_a_deferred_step_left_with_nothing_to_sample(go_llm, who):
 
 
 def test_sync_go_steps_with_step_timing_from_another_thread(stories_model_dir, go_llm, monkeypatch):
-    """tests/test_review_session9.py's step-timing deadlock test (`generate` on the engine thread while
-    another thread asks for step timing) with its seeded requests on ``SYNC_GO`` steps again: with
-    ``logprobs=0`` the front end samples every step, as that test was written for."""
+    """test_tp_async_steps.py's step-timing test (`generate` on the engine thread while another thread
+    asks for step timing) with its seeded requests on ``SYNC_GO`` steps: with ``logprobs=0`` the front
+    end samples every step."""
     import test_tp_async_steps as s9
 
     built, real_build = [], s9._build
@@ -183,7 +175,7 @@ def test_rows_the_output_rank_draws_again_for_real(flat_model, monkeypatch):
         _shutdown(llm)
 
 
-# ---- cases that held ----------------------------------------------------------------------------
+# ---- bit-identity with one process ---------------------------------------------------------------
 
 # Before step i: ("add", key, prompt, params) / ("abort", key). A small pool (12 blocks of 16) makes
 # the two long prompts and the others preempt each other; "lp", "pen" and "bo" need the front end's
@@ -292,9 +284,9 @@ def test_a_sampler_failing_in_the_output_ranks_read_stops_the_engine(stories_mod
 @pytest.mark.slow  # about 10 s each on 2 cores
 @pytest.mark.parametrize("rank,go", [(0, False), (1, True)], ids=["rank0-own", "rank1-go"])
 def test_a_worker_killed_while_tokens_are_drawn(stories_model_dir, monkeypatch, rank, go):
-    """tests/test_review_session9.py's killed-worker test on both paths: the output rank killed while
-    it draws the tokens (``SYNC_SELF``), rank 1 killed while plans wait for the front end's
-    (``SYNC_GO``, ``logprobs=0``): `generate` fails within seconds and no worker is left."""
+    """test_tp_async_steps.py's killed-worker test on both paths: the output rank killed while it draws
+    the tokens (``SYNC_SELF``), rank 1 killed while plans wait for the front end's (``SYNC_GO``,
+    ``logprobs=0``): `generate` fails within seconds and no worker is left."""
     import test_tp_async_steps as s9
 
     built, real_build = [], s9._build
@@ -303,7 +295,7 @@ def test_a_worker_killed_while_tokens_are_drawn(stories_model_dir, monkeypatch, 
         built.append(real_build(*args, **kw))
         return built[-1]
 
-    # test_review_session9 asks for logprobs=0 (the front end draws: SYNC_GO); the output rank draws
+    # test_tp_async_steps asks for logprobs=0 (the front end draws: SYNC_GO); the output rank draws
     # itself (SYNC_SELF) only without logprobs.
     real_s = s9._s
     monkeypatch.setattr(s9, "_s", lambda m, seed=1, **kw: real_s(m, seed, **dict(kw, logprobs=0 if go else None)))

@@ -2,7 +2,7 @@
 
 The front end plans and sends step N+1 before it samples step N; the output rank waits for step N's
 ids (a "go" message) and broadcasts the input ids to the other rank. Each test drives
-`EngineCore.step` by hand (as tests/test_engine_async_scheduling.py does) and compares the
+`EngineCore.step` by hand (as tests/engine/core/test_async_scheduling.py does) and compares the
 asynchronous engine with the synchronous one on the same `LLM`: token ids, text and finish reasons
 exactly, log-probabilities to float32 rounding; and checks that steps really were planned ahead
 (an ``execute`` of step N+1 before the logits of step N were awaited).

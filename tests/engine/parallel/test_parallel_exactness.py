@@ -1,4 +1,4 @@
-"""Tensor/pipeline-parallel ranks compute what one GPU computes (issue 9), on CPU with gloo.
+"""Tensor/pipeline-parallel ranks compute what one GPU computes, on CPU with gloo.
 
 - TP 2, bf16, random tiny Llama with attention and MLP biases (`test_llama_fused_gemv`'s): with the
   float32 row-parallel reduction (``KVPILOT_TP_REDUCE_FP32=1``, default off) the logits of a prefill step

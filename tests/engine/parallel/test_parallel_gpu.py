@@ -1,7 +1,7 @@
 """Tensor/pipeline parallelism on two GPUs (NCCL): the early answer through the interprocess logits
 event gives the same tokens and logprobs as the synchronizing answer, and step timing reports the
 GPU phases; pipeline stages replaying decode CUDA graphs give the eager stages' greedy tokens.
-Skipped without two CUDA GPUs; ``benchmarks/gpu_tp_profile.py`` has the 8B-shape numbers."""
+Skipped without two CUDA GPUs; ``benchmarks/lab/gpu_tp_profile.py`` has the 8B-shape numbers."""
 
 from __future__ import annotations
 

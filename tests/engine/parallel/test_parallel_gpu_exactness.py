@@ -1,4 +1,4 @@
-"""Two GPUs (NCCL), bf16, a Llama-shaped random model (issue 9): PP 2 gives one GPU's greedy tokens
+"""Two GPUs (NCCL), bf16, a Llama-shaped random model: PP 2 gives one GPU's greedy tokens
 and logprobs exactly (its stages pad prefill steps as one GPU's prefill graphs do, so every kernel
 sees one GPU's shapes), and TP 2 with the float32 row-parallel reduction (``KVPILOT_TP_REDUCE_FP32=1``,
 off by default) is closer to one GPU than with ``KVPILOT_TP_REDUCE_FP32=0``. One request at a time, so every layout runs the same

@@ -1,19 +1,12 @@
-"""Seventh-session review (b) of commits e378c58 and 3de9862: tensor/pipeline-parallel ranks pad
-their eager prefill steps like one GPU's prefill graphs (`model_runner.prefill_padding`,
-`parallel_worker.single_gpu_prefill_buckets`), the row-parallel reduction
-(`llama.ParallelContext.row_parallel`, ``KVPILOT_TP_REDUCE_FP32``), and the GEMVs' ``out_dtype`` and
-late PDL trigger (kernels/gemv.py, kernels/pdl.py).
+"""Tensor/pipeline-parallel ranks pad their eager prefill steps like one GPU's prefill graphs
+(`model_runner.prefill_padding`, `parallel_worker.single_gpu_prefill_buckets`).
 
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
-fix is); the others pin behaviour the review checked and found right. CPU only: the tiny random
-Llama of tests/test_llama_fused_gemv.py, the CPU doubles of the CUDA-graph sets
-(tests/support/graphs.py) and, for pipeline parallelism, two gloo ranks (tests/support/parallel_exact.py).
-"""
+CPU only: the tiny random Llama of `support.engine._checkpoint`, the CPU doubles of the CUDA-graph sets
+(tests/support/graphs.py) and, for pipeline parallelism, two gloo ranks (tests/support/parallel_exact.py)."""
 
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,10 +21,9 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
 from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
-from support.paths import BENCHMARKS
+from support.paths import load_benchmark
 
-sys.path.insert(0, str(BENCHMARKS))
-from gpu_review7b_padding import RandomSchedule  # noqa: E402
+RandomSchedule = load_benchmark("gpu_prefill_padding").RandomSchedule
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,7 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     # 2 layers, hidden 64, GQA 4/2 heads of 16, intermediate 96, vocab 128, random attention and MLP biases.
-    return _checkpoint(tmp_path_factory.mktemp("review7b") / "biased", bias=True)
+    return _checkpoint(tmp_path_factory.mktemp("prefill_padding") / "biased", bias=True)
 
 
 def _seq(sid: int, n: int, first_block: int, start: int = 0, **kw) -> ScheduledSeq:
@@ -50,14 +42,12 @@ def _seq(sid: int, n: int, first_block: int, start: int = 0, **kw) -> ScheduledS
 
 # ---- pipeline micro-batches of a step that one GPU runs eagerly -------------------------------------
 def test_pp2_microbatches_are_padded_only_where_one_gpu_pads_the_step(model_dir):
-    """Was a defect. `Worker.execute` padded every eager micro-batch that `prefill_padding` accepted
-    on its own, also when one GPU runs the whole step eagerly and unpadded: a step of more tokens
-    than the largest bucket (40 + 30 > 64), or one with a prompt-logprob sequence, cut into
-    micro-batches that each fit a bucket, ran at 48 + 32 (or 6 + 16) tokens on every stage: compute
-    spent for shapes one GPU never uses (the padding exists only to give the kernels one GPU's
-    shapes). Fix: micro-batches are padded only when one GPU would pad the whole step
-    (`Worker.execute`, ``pad_ok`` of `ModelRunner.prepare`); a step that is not split is unchanged.
-    The logits stay those of the single-process model (other shapes: a few fp32 ulps apart)."""
+    """Micro-batches are padded only when one GPU would pad the whole step (`Worker.execute`, ``pad_ok``
+    of `ModelRunner.prepare`): a step of more tokens than the largest bucket (40 + 30 > 64), or one with
+    a prompt-logprob sequence, that one GPU runs eagerly and unpadded, cut into micro-batches that each
+    fit a bucket, runs unpadded on every stage too (the padding exists only to give the kernels one
+    GPU's shapes); a step that is not split is unchanged. The logits stay those of the single-process
+    model (other shapes: a few fp32 ulps apart)."""
     from kvpilot.parallel.executor import make_worker_spec
 
     kv = KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512)
@@ -101,11 +91,10 @@ def test_rank_buckets_are_the_single_gpu_prefill_graphs_buckets(model_dir, monke
 
 
 def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir, monkeypatch, caplog):
-    """Was a defect. With a bad ``KVPILOT_PREFILL_GRAPH_TOKENS`` one GPU logs a warning and runs its
-    prefill steps eagerly (`capture_all` catches the `PrefillGraphs` error), but
-    `single_gpu_prefill_buckets` raised in every rank's `StageRunner`, so a tensor/pipeline-parallel
-    engine that had ignored the variable before e378c58 failed to start. Fix: the ranks follow one
-    GPU: a warning, and no padding (one GPU has no prefill graph to match)."""
+    """With a bad ``KVPILOT_PREFILL_GRAPH_TOKENS`` one GPU logs a warning and runs its prefill steps
+    eagerly (`capture_all` catches the `PrefillGraphs` error); the ranks of a tensor/pipeline-parallel
+    engine follow one GPU: `single_gpu_prefill_buckets` warns and gives no padding (one GPU has no
+    prefill graph to match), and the engine starts."""
     monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "lots")
     runner = exactness_runner(model_dir)
     with caplog.at_level(logging.WARNING):
@@ -122,10 +111,10 @@ def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir,
 def test_padded_eager_steps_equal_prefill_graph_replays_over_a_random_run(model_dir):
     """Checked, right: over 40 random steps (chunked prefill at any offset, several sequences,
     decodes mixed in, chunks that do not sample, prompt-logprob chunks, steps past the largest
-    bucket; `gpu_review7b_padding.RandomSchedule`), a runner padding its eager steps
+    bucket; `gpu_prefill_padding.RandomSchedule`), a runner padding its eager steps
     (``prefill_pad_buckets``) returns the logits and rows of a runner replaying prefill graphs (CPU
     double), bit for bit, and leaves the same KV cache: padded tokens write no slot and padded
-    sequences read none. (benchmarks/gpu_review7b_padding.py checks the same on an H200, with cuBLAS
+    sequences read none. (benchmarks/lab/gpu_prefill_padding.py checks the same on an H200, with cuBLAS
     and the Triton attention kernels.)"""
     graph_runner, eager_runner = exactness_runner(model_dir), exactness_runner(model_dir)
     graphs = cpu_graph_class(PrefillGraphs)(graph_runner, token_buckets=BUCKETS)

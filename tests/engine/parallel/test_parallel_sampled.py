@@ -1,4 +1,4 @@
-"""Sampled requests at TP 2: the output rank draws their tokens itself (issue 9), on CPU with gloo.
+"""Sampled requests at TP 2: the output rank draws their tokens itself, on CPU with gloo.
 
 With asynchronous tensor-parallel steps, a step whose every live request is `_rank_samplable`
 (temperature, top-k, top-p, min-p, seed; no logprobs, penalties, bans, beams) is drawn by the

@@ -8,7 +8,7 @@ run's steps really were drawn (and fed to the next step) by the output rank. The
 the engine by hand (the same events at the same steps in both runs): arrivals and aborts mid-flight,
 chunked prefill, a logprobs request (``SYNC_GO`` steps and back), flat distributions and preemption
 in a small pool. Skipped without two CUDA GPUs. Run:
-``python3 -m pytest -q -s -m gpu tests/test_parallel_sampled_gpu.py``.
+``python3 -m pytest -q -s -m gpu tests/engine/parallel/test_parallel_sampled_gpu.py``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""Ninth-session review of the asynchronous tensor-parallel steps (0cc485e..91509ca): the front end
-plans and sends step N+1 before it samples step N (`MultiprocExecutor._execute_deferred`,
-`await_logits` / `await_ids`, `publish_tokens`, `abandon_steps`), the output rank waits for the
-sampled ids or uses its own arg-max (`parallel_worker.InputSync`, ``SYNC_GO`` / ``SYNC_EVENT`` /
-``SYNC_SELF``), and the engine defers sampling (`EngineCore._start_inflight`, `_argmax_only`).
+"""Asynchronous tensor-parallel steps: the front end plans and sends step N+1 before it samples step N
+(`MultiprocExecutor._execute_deferred`, `await_logits` / `await_ids`, `publish_tokens`,
+`abandon_steps`), the output rank waits for the sampled ids or uses its own arg-max
+(`parallel_worker.InputSync`, ``SYNC_GO`` / ``SYNC_EVENT`` / ``SYNC_SELF``), and the engine defers
+sampling (`EngineCore._start_inflight`, `_argmax_only`).
 
 Everything runs on CPU with TP 2 (gloo) and ``KVPILOT_ASYNC_SCHEDULING=1``. Results are compared with
 the synchronous engine on the same `LLM` (``core.async_scheduling = False``): token ids, text and
-finish reasons exactly.
-
-The tests under "defects" failed before their fixes (each docstring says what failed, why, and
-where); the others pin cases the review tried and found right. The slow-marked ones (the HTTP server,
-killed workers, long mixes) run with ``-m slow``; `make test` keeps the rest.
-"""
+finish reasons exactly. The slow-marked ones (the HTTP server, killed workers, long mixes) run with
+``-m slow``; `make test` keeps the rest."""
 
 from __future__ import annotations
 
@@ -46,34 +42,28 @@ def fresh_llm(stories_model_dir):
     _shutdown(llm)
 
 
-# ---- defects ------------------------------------------------------------------------------------
+# ---- deferred steps, step timing, failures -------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", ["greedy_eos", "sampled_stop_id", "stop_string_sync_output"])
 def test_a_deferred_step_with_nothing_to_sample_is_still_awaited(fresh_llm, case):
-    """Was a defect. When every sequence of a deferred step ended before it was sampled, the step's
-    answer is never read, and the next request gets it.
+    """A deferred step whose every sequence ended before it was sampled is still awaited, so the next
+    request never gets its answer.
 
     Step N+1 is planned and sent before step N's tokens are read. If those tokens end every
     sequence of step N+1 (EOS or a stop token id in the fast part; a stop string with
     ``async_output`` off), step N+1's sampling loop keeps no row (``sample_seqs`` is empty) and
-    `EngineCore.step` takes the ``elif self._defers: self.executor.publish_tokens(None)`` branch
-    (engine/core/engine_core.py, "nothing sampled in this step"). That publishes the step but never calls
-    `await_logits` / `await_ids` for it, although ``defer`` was True, so its entry stays in
-    `MultiprocExecutor._sent` (its answer stays in the pipe). The next deferred step's
-    `_await_step` pops that stale entry: an arg-max step returns the stale ids (a wrong first token
-    for the next request, silently: 385 instead of 329 in the greedy case below), a sampled step
-    samples the stale logits, and a synchronous step then fails with "the step is an arg-max step:
-    use await_ids" or "the output worker answered 1 logits rows, the plan has 2".
+    `EngineCore.step` publishes the step with nothing sampled (engine/core/engine_core.py). It must
+    still consume the step's answer (``await_ids()`` for an arg-max step, else ``await_logits()``),
+    or its entry stays in `MultiprocExecutor._sent` and the next deferred step's `_await_step` pops
+    it: an arg-max step would return the stale ids (a wrong first token for the next request,
+    silently: 385 instead of 329 in the greedy case below), a sampled step would sample the stale
+    logits, and a synchronous step would fail with "the step is an arg-max step: use await_ids" or
+    "the output worker answered 1 logits rows, the plan has 2".
 
-    The same branch is taken by a deferred step that holds only a non-final prefill chunk (a prompt
-    longer than ``max_num_tokens`` alone in the engine; on CPU that first fails on the zero-row
-    answer, see the test below) and, on GPUs, by a step whose every row is rolled back (-1 rows).
-
-    Fix: in `step`, when ``defer`` is True and nothing is sampled, still consume the step's answer
-    (``await_ids()`` if ``argmax`` else ``await_logits()``) before ``publish_tokens(None)``, or let
-    `publish_tokens` / the executor drop the unawaited entry (mark it orphan) itself.
-    """
+    The same path is taken by a deferred step that holds only a non-final prefill chunk (a prompt
+    longer than ``max_num_tokens`` alone in the engine, see the test below) and, on GPUs, by a step
+    whose every row is rolled back (-1 rows)."""
     llm = fresh_llm
     core = llm._core
     if case == "greedy_eos":
@@ -93,12 +83,10 @@ def test_a_deferred_step_with_nothing_to_sample_is_still_awaited(fresh_llm, case
 
 @pytest.mark.slow  # about 20 s on 2 cores: `pytest -m slow`
 def test_serve_after_a_completion_that_ends_on_a_stop_token(stories_model_dir, tp_llm, tmp_path, monkeypatch):
-    """Was a defect (the one above, as a server user sees it). ``kvpilot serve --tensor-parallel-size
-    2`` with asynchronous steps: a greedy completion that ends on ``stop_token_ids`` (alone on the
-    server) leaves its last, empty step unawaited; every later completion then reads the answer of
-    the step before its own: ", there was a little girl named Lily. She loved to play" came back as
-    " One, there was a little girl named Lily. She loved to" (the first token is the stale one, the
-    last one is lost), and so on for every request after it, with no error anywhere."""
+    """``kvpilot serve --tensor-parallel-size 2`` with asynchronous steps: after a greedy completion that
+    ends on ``stop_token_ids`` (alone on the server, its last step is empty), every later completion
+    gets its own tokens (a stale step answer would shift them by one: ", there was a little girl named
+    Lily. She loved to play" returned as " One, there was a little girl named Lily. She loved to")."""
     import httpx
 
     from kvpilot.server.launcher import ServerProcess
@@ -122,27 +110,20 @@ def test_serve_after_a_completion_that_ends_on_a_stop_token(stories_model_dir, t
 
 
 def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
-    """Was a defect. `MultiprocExecutor.step_timing` called (from another thread, as a server's
-    metrics endpoint would) between the send of a ``SYNC_GO`` plan and the ``publish_tokens`` that
-    releases it deadlocks until the step timeout, then kills the engine.
+    """`MultiprocExecutor.step_timing` called from another thread (as a server's metrics endpoint does)
+    between the send of a ``SYNC_GO`` plan and the ``publish_tokens`` that releases it returns, and the
+    engine keeps running.
 
-    `step_timing` takes ``self._lock`` and waits for every rank's ("timing", ...) answer
-    (`_step_timing`, engine/parallel/executor.py). The output rank answers from `Worker.wait_go`, but rank 1
-    has already started the step: it sits in the input-id broadcast (or the first all-reduce) of
-    `InputSync`, waiting for rank 0, which waits for the ("go", ids) message. That message is sent by
-    `publish_tokens`, which needs ``self._lock``: held by `step_timing`. Nothing moves until
-    ``_step_timeout`` (default ``KVPILOT_DIST_TIMEOUT_S`` + 60 = 660 s), then `_die` stops the engine.
-    The window is the engine thread's sampling of step N (await_logits -> sampler -> publish), every
-    step that has a sampled request; reproduced through `llm.generate` + a `step_timing` loop too
-    (greedy-only batches use ``SYNC_SELF`` and do not wait, so they pass).
+    `step_timing` waits for every rank's ("timing", ...) answer (`_step_timing`,
+    engine/parallel/executor.py). The output rank answers from `Worker.wait_go`, but rank 1 has already
+    started the step: it sits in the input-id broadcast (or the first all-reduce) of `InputSync`,
+    waiting for rank 0, which waits for the ("go", ids) message that `publish_tokens` sends. Holding the
+    pipe lock across that wait would deadlock until ``_step_timeout`` and kill the engine. The window is
+    the engine thread's sampling of step N (await_logits -> sampler -> publish) of every step that has a
+    sampled request (greedy-only batches use ``SYNC_SELF`` and do not wait).
 
     Here the window is forced: the engine's `publish_tokens` first lets another thread call
-    `step_timing` (the step timeout is cut to 6 s so that the failure is quick).
-
-    Fix: do not hold the pipe lock across the wait in `_step_timing` when a plan waits for its go
-    (answer the timing request without rank answers that cannot come, or read them later), or let
-    the go message bypass the lock (it is one write on the output rank's pipe).
-    """
+    `step_timing` (the step timeout is cut to 6 s so that a failure is quick)."""
     llm = _build(stories_model_dir, KVPILOT_STEP_TIMING="1", KVPILOT_STEP_TIMEOUT_S="6")
     try:
         llm._loop.stop()
@@ -190,21 +171,12 @@ def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
 
 @pytest.mark.parametrize("tp_async", ["0", "1"], ids=["settled", "async"])
 def test_a_long_prompt_alone_on_cpu_tp2(stories_model_dir, tp_async):
-    """Was a defect (older than the asynchronous steps; found here). A prompt longer than
-    ``max_num_tokens`` alone in the engine is prefilled in chunks; the first chunk's step samples
-    nothing, so the output rank has a ``[0, vocab]`` logits tensor. On the pipe path (CPU, or
-    ``KVPILOT_LOGITS_IPC=0`` on GPUs) `parallel_worker._send_logits` does
-    ``conn.send_bytes(memoryview(arr).cast("B"))``, and ``memoryview.cast`` refuses a zero-size
-    array ("cannot cast view with zeros in shape or strides"): rank 0 dies. The front end then reads
-    the worker's pickled error message as the logits bytes (it waits for raw bytes after the "ok"
-    header) and raises a ValueError/TypeError ("buffer length (574 bytes) ... must be a multiple of
-    element size"), not the worker's traceback; with asynchronous steps that TypeError is not an
-    `EngineDeadError`, so the loop keeps serving on a dead worker until the next step notices.
-
-    Fix: send ``b""`` for an empty array (the front end already takes ``not raw`` as empty). With
-    asynchronous steps the chunk's deferred step then reaches the defect above (nothing sampled,
-    never awaited), so this test passes only once both are fixed.
-    """
+    """A prompt longer than ``max_num_tokens`` alone in the engine is prefilled in chunks; the first
+    chunk's step samples nothing, so the output rank has a ``[0, vocab]`` logits tensor. On the pipe path
+    (CPU, or ``KVPILOT_LOGITS_IPC=0`` on GPUs) `parallel_worker._send_logits` sends ``b""`` for it
+    (``memoryview.cast`` refuses a zero-size array, which would kill rank 0 and leave the front end
+    reading the worker's pickled error as logits bytes), and with asynchronous steps the chunk's
+    deferred step is awaited although nothing is sampled (the test above)."""
     ref_sp = _g(8)
     with LLM(str(stories_model_dir), device="cpu", max_batch_size=6, max_num_tokens=64,
              kv_cache_config=KvCacheConfig(tokens_per_block=16)) as one:
@@ -226,18 +198,14 @@ def test_a_long_prompt_alone_on_cpu_tp2(stories_model_dir, tp_async):
 
 
 def test_the_first_cause_of_death_is_kept(fresh_llm, monkeypatch):
-    """Was a defect (minor). After a worker dies while a plan waits for its go message, the engine
-    loop's final `EngineCore.fail_all` calls `MultiprocExecutor.abandon_steps`, which calls
-    `_send_go` on the output rank's pipe although `_die` has already terminated every worker: the
-    write fails (BrokenPipeError), `_send_go` calls `_wait_for`, which sees rank 0's exit and calls
-    `_die` again, replacing ``_dead`` (what every later call raises) with "worker rank 0 exited with
-    code -15", the front end's own termination, instead of the real cause (rank 1 killed). Seen in
-    about half of the runs of "kill rank 1 during a sampled `generate`"; forced here: the steps sent
-    are awaited by hand until rank 1's death is noticed, then `fail_all` runs as the loop's last act.
+    """After a worker dies while a plan waits for its go message, every later call raises the real cause
+    (rank 1 killed), not "worker rank 0 exited with code -15" (the front end's own termination).
 
-    Fix: `abandon_steps` (and `_send_go`) should only clear the bookkeeping once ``_dead`` is set
-    or the executor is closed; `_die` could also keep the first error.
-    """
+    The engine loop's final `EngineCore.fail_all` calls `MultiprocExecutor.abandon_steps`; with every
+    worker already terminated by `_die`, a `_send_go` on the output rank's pipe fails (BrokenPipeError)
+    and sees rank 0's exit, and must not replace ``_dead`` (what every later call raises). Forced here:
+    the steps sent are awaited by hand until rank 1's death is noticed, then `fail_all` runs as the
+    loop's last act."""
     llm = fresh_llm
     core, ex = llm._core, llm._executor
     req = llm._make_request("Once upon a time", _s(30, logprobs=0), False)
@@ -262,7 +230,7 @@ def test_the_first_cause_of_death_is_kept(fresh_llm, monkeypatch):
     assert "rank 1" in str(ex._dead)
 
 
-# ---- cases that held ----------------------------------------------------------------------------
+# ---- the same results as the synchronous engine --------------------------------------------------
 
 # Before step i: ("add", key, prompt, params) / ("abort", key). Greedy requests run arg-max steps
 # (SYNC_SELF); a sampled, logprobs, penalised, beam, prompt-logprobs or generation-logits request
@@ -333,7 +301,7 @@ def test_switching_async_scheduling_and_async_output_mid_run(tp_llm):
     assert flipped == sync
     core.async_output = False
     try:
-        # Stop strings end here only with another request still running (the defect above otherwise).
+        # Stop strings end here only with another request still running (see the deferred-step test above).
         _same_as_sync(tp_llm, {**_MID_FLIGHT["stop_strings"], 1: [("add", "keep", "Tom", _g(45))]})
         _same_as_sync(tp_llm, _MID_FLIGHT["aborts"])
     finally:
@@ -403,7 +371,7 @@ def test_generate_through_the_loop_with_step_timing_from_another_thread(stories_
         _shutdown(llm)
 
 
-@pytest.mark.slow  # make test's budget: tests/test_parallel_failures.py covers the basics
+@pytest.mark.slow  # make test's budget: tests/engine/parallel/test_parallel_failures.py covers the basics
 @pytest.mark.parametrize("greedy", [True, False], ids=["self", "go"])
 def test_shutdown_while_requests_run(stories_model_dir, greedy):
     """`llm.shutdown()` from the user's thread during a long `generate` returns within seconds, the
@@ -434,8 +402,8 @@ def test_shutdown_is_not_held_by_a_stuck_step(stories_model_dir, monkeypatch):
     inside `await_logits`, waiting up to the step timeout for a hung worker) and a plan waits for its
     go: it must still release that plan and stop the workers at once, not wait for the lock.
 
-    With a rank stopped by SIGSTOP during a sampled `generate`, `llm.shutdown()` takes ~45 s at
-    91509ca (`EngineLoop.stop`'s 30 s join, then this path); if `abandon_steps` takes the lock
+    With a rank stopped by SIGSTOP during a sampled `generate`, `llm.shutdown()` takes ~45 s
+    (`EngineLoop.stop`'s 30 s join, then this path); if `abandon_steps` takes the lock
     inside `shutdown`, it takes the whole step timeout instead (95 s with
     ``KVPILOT_STEP_TIMEOUT_S=90``; 11 minutes by default)."""
     llm = _build(stories_model_dir)
@@ -471,7 +439,7 @@ def test_shutdown_is_not_held_by_a_stuck_step(stories_model_dir, monkeypatch):
         closer.join(30)
 
 
-@pytest.mark.slow  # make test's budget: tests/test_parallel_failures.py covers the basics
+@pytest.mark.slow  # make test's budget: tests/engine/parallel/test_parallel_failures.py covers the basics
 @pytest.mark.parametrize("rank,greedy", [(1, False), (0, True)], ids=["rank1-go", "rank0-self"])
 def test_a_worker_killed_mid_generation(stories_model_dir, rank, greedy):
     """A rank killed while asynchronous steps run: `generate` raises within seconds, the engine is

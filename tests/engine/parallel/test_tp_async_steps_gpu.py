@@ -1,16 +1,14 @@
-"""GPU half of the ninth-session review (tests/test_review_session9.py): a deferred step that has
-nothing to sample must still be awaited, on two GPUs (NCCL, CUDA graphs, the output rank's CUDA
-IPC ids buffer and events, ``SYNC_SELF`` arg-max ids copied through pinned memory).
+"""On two GPUs (NCCL, CUDA graphs, the output rank's CUDA IPC ids buffer and events, ``SYNC_SELF``
+arg-max ids copied through pinned memory): a deferred step that has nothing to sample (every row ended
+by the step before, or a non-final prefill chunk alone) is still awaited, so the next request never
+reads its stale answer.
 
-At 91509ca such a step (every row ended by the step before, or a non-final prefill chunk alone) was
-published but never awaited, so the next request read its stale answer: wrong tokens, silently, for
-every request after it. Each case runs a request B alone (the reference), then the trigger, then B
-twice more: B must come back the same (one layout, one request at a time: the same graphs at the
-same shapes, so exactly), and nothing may stay unawaited in the executor. Fails at 91509ca; passes
-with the fix in `EngineCore.step` (await the step's answer before ``publish_tokens(None)``).
+Each case runs a request B alone (the reference), then the trigger, then B twice more: B must come
+back the same (one layout, one request at a time: the same graphs at the same shapes, so exactly),
+and nothing may stay unawaited in the executor (`EngineCore.step` awaits the step's answer before
+``publish_tokens(None)``). CPU counterpart: test_tp_async_steps.py.
 
-Run on a machine with two GPUs: ``python3 -m pytest -q -m gpu tests/test_review_session9_gpu.py``.
-"""
+Run on a machine with two GPUs: ``pytest -q -m gpu tests/engine/parallel/test_tp_async_steps_gpu.py``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Regression tests for bugs found by the second review session (adversarial use on CPU, stories260K).
-
-Each test fails on the commit it was written against (c9aba52) and states the expected behaviour:
-a bad request is refused with ValueError before it is queued, and never fails other requests.
-"""
+"""Bad or extreme sampling requests on CPU (stories260K): a bad request is refused with ValueError
+before it is queued, and never fails other requests; a tiny temperature is greedy; allowed token ids
+hold even when min_tokens bans them; a row the sampler rejects fails only its own request, and a
+batch error no single row reproduces fails the step."""
 
 from __future__ import annotations
 
@@ -122,8 +121,8 @@ def test_a_row_the_sampler_rejects_fails_only_its_own_request(llm, monkeypatch):
 
 
 def test_a_batch_error_no_single_row_reproduces_still_fails_the_step(llm, monkeypatch):
-    """If every row samples fine alone, the error was not a request's: it is not hidden (the step
-    fails as before, and the engine keeps serving afterwards)."""
+    """If every row samples fine alone, the error is not a request's: it is not hidden (the step fails,
+    and the engine keeps serving afterwards)."""
     core = llm._core
     real = core.sampler
     calls = {"n": 0}

@@ -1,42 +1,18 @@
-"""Fresh-eyes review of the twelfth session (ff5fd32..4fef599): the greedy rows' Triton arg-max
-(`kvpilot.kernels.sampling.argmax`, `kvpilot.sampling.sampler.greedy_ids`), the "tma" GEMV kind
-(kernels/gemv.py) and the PDL checker's ``cvta`` exemption (tests/pdl_order_check.py).
+"""The greedy rows' Triton arg-max (`kvpilot.kernels.sampling.argmax`, `kvpilot.sampling.sampler.greedy_ids`).
 
-Findings (each has a test here that fails on the reviewed tree and passes with the fix):
-
-1. `sampling.argmax` took float64 (and integer) logits and compared them in float32: float64 rows
-   whose maximum differs from another value below float32's precision got the wrong id, and
-   `greedy_ids` (CUDA default: the kernel) handed them over. It now refuses other dtypes and
-   `greedy_ids` gives them to ``torch.argmax``.
-2. `greedy_ids(logits, out=...)` raised ValueError for an ``out`` that ``torch.argmax`` takes (a
-   strided int64 view), and for V >= 2**31; it now falls back to ``torch.argmax`` wherever the
-   kernel's contract does not hold, so it is a drop-in for ``torch.argmax(dim=-1, out=)``.
-3. `sampling.argmax` launched ``cdiv(V, 4096)`` programs per row on the grid's second dimension (CUDA
-   caps it at 65,535) and reduced them in one program of ``next_pow2`` lanes, though its docstring
-   takes any V < 2**31: chunks now grow past ``CONFIG["chunk"]`` to keep at most 1,024 per row
-   (no change below 4M columns).
-4. An explicit "tma" configuration raised ValueError for M = 0 (the fma kind returns the empty
-   ``[0, N]`` result); ``launch_config("tma", ..., block_k > 512)`` was accepted although no launch
-   can run it (with ``config=`` a ValueError at launch, as a table row a silent fall-back every
-   time); ``late_trigger`` on the fma/dot kinds was accepted and ignored. The launch error now says
-   which condition failed.
-5. ``pdl_order_check.py --scan-cache`` (the check of the kernels the GPU's own Triton compiled)
-   matched a hand-written list of kernel names that lacked ``_gemv_tma_kernel`` (and
-   ``_two_rank_all_reduce_kernel``): their GPU-compiled PTX/SASS was never checked. The names now
-   come from the kernels' sources (every kernel with a ``USE_PDL`` parameter).
-
-Checked and sound (tests pin them): first maximum / first NaN / all -inf -> 0 across chunk
-boundaries, -0.0 == 0.0 ties, +inf, V = 1, rows of stride 0 and overlapping rows, bf16/fp16, ``out``
-a slice of a larger id buffer (the output rank's ``tok_buf[:n]``); the "torch"/"exact" sampler
-backends never reach the kernel; the tma kind's RMSNorm K-tile pass (K > NORM_ONE_LOAD_MAX, e.g. a
-hidden size of 8192), column-sliced weights (TMA reads zeros past K, not the neighbouring columns),
-N and K smaller than a block, misaligned weight bases falling back from a table row; the PDL
-checker's ``cvta`` exemption (an address conversion reads nothing; any access through the converted
-generic address is still flagged).
+- `sampling.argmax` refuses float64 and integer logits (it compares in float32), and `greedy_ids`
+  gives them to ``torch.argmax``.
+- `greedy_ids(logits, out=...)` is a drop-in for ``torch.argmax(dim=-1, out=)``: it falls back to
+  ``torch.argmax`` wherever the kernel's contract does not hold (a strided int64 ``out``, V >= 2**31).
+- `sampling.argmax` keeps at most 1,024 programs per row (chunks grow past ``CONFIG["chunk"]``; CUDA
+  caps the grid's second dimension at 65,535).
+- First maximum / first NaN / all -inf -> 0 across chunk boundaries, -0.0 == 0.0 ties, +inf, V = 1,
+  rows of stride 0 and overlapping rows, bf16/fp16, ``out`` a slice of a larger id buffer (the output
+  rank's ``tok_buf[:n]``); the "torch"/"exact" sampler backends never reach the kernel.
+- The sampler kernels refuse vocabularies past their grid, and the sampler then takes torch.
 
 GPU (``-m gpu``): the arg-max against CUDA's ``torch.argmax`` at
-serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside a CUDA graph.
-"""
+serving vocabularies with ties and NaNs on 4096-column chunk boundaries, inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -128,7 +104,7 @@ def test_argmax_caps_programs_per_row(small_chunks, monkeypatch):
     assert grids == [(3, 4)]  # 100 columns: the configured 32-column chunks (4 of them)
 
 
-# ---- sound: values the kernels must order as torch does ------------------------------------------
+# ---- values the kernels must order as torch does ------------------------------------------
 @interpret
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_argmax_signed_zeros_infinities_and_odd_strides(small_chunks, dtype):
@@ -220,7 +196,7 @@ def test_gpu_argmax_in_a_cuda_graph():
         assert torch.equal(ids, torch.argmax(x, dim=-1)), seed
 
 
-# ---- the sampler kernels' vocabulary bound (lead, after the review's "left undone" note) -------
+# ---- the sampler kernels' vocabulary bound -------------------------------------------------------
 def test_sampler_kernels_refuse_vocabularies_past_their_grid_and_the_sampler_takes_torch():
     """`draw`, `raw_logprobs` and `apply_penalties` launch one program per 4,096-column chunk on the
     grid's second dimension (at most 65,535) and reduce every chunk's partial in one program: past

@@ -1,5 +1,5 @@
-"""Cases found by review: aborts of best_of/beam requests, mutated parameters, request counting,
-end_id, input types, masked vocabularies."""
+"""The penalties' token history: cached on a reused sampler row it equals a fresh row's, and it follows
+the logits' device."""
 
 from __future__ import annotations
 

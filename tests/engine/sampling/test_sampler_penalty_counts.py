@@ -1,4 +1,5 @@
-"""Regression tests from the third review session (sampler host inputs and penalty counts)."""
+"""The sampler's host inputs and penalty counts: a failed call recounts its rows in the slots they
+hold, and min-p rows sample without a non-writable array warning."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_a_failed_call_recounts_its_rows_in_the_slots_they_hold(monkeypatch):
     monkeypatch.setattr(sampler_inputs.Upload, "send", broken)
     for r in rows[:2]:
         r.output_token_ids.append(5)
-    for _ in range(3):  # each failure used to take one more slot per row
+    for _ in range(3):  # a failure must not take one more slot per row
         with pytest.raises(RuntimeError, match="upload failed"):
             Sampler("torch")(logits, rows)
     monkeypatch.setattr(sampler_inputs.Upload, "send", real)

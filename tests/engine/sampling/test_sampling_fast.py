@@ -5,7 +5,7 @@ logits, top_p near 0 and 1, top-k + top-p + min-p combinations, greedy and plain
 The Triton kernels run on CPU under TRITON_INTERPRET=1 with a small vocabulary, and with shrunken
 chunk/window sizes so that the multi-chunk reductions, the stage-2 refinement and the hand-off to
 the exact path all happen; the GPU tests use serving shapes. Rows with top-p/min-p but no top-k
-take the pivot path by default (tests/test_sampling_pivot.py) and the window path with
+take the pivot path by default (tests/engine/sampling/test_sampling_pivot.py) and the window path with
 ``pivot_rounds`` 0 (cases below).
 """
 

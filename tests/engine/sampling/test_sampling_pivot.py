@@ -5,7 +5,7 @@ among the kept prefix) for the same noise.
 The kernels run on CPU under TRITON_INTERPRET=1 with a small vocabulary, and with shrunken
 chunks, blocks and generation caps so that multi-chunk reductions, later generations (C passes,
 level choice, accepting a candidate without a mass pass) and the hand-off to the exact path all
-happen. GPU tests at the serving shape are in tests/test_sampling_fast.py.
+happen. GPU tests at the serving shape are in tests/engine/sampling/test_sampling_fast.py.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""Fresh-eyes review of session 6's changes (commits a1882c3 and e27526d, uncommitted when reviewed).
-
-1. kernels/sampling.py: the pivot path (top-p / min-p rows), now on by default, with its states
-   double-buffered per launch, min-p-only rows searching level 0 only, and a debug mode.
-2. kernels/attention.py: ``TUNING["decode"]["lazy_rescale"]`` (claimed bit-identical).
-3. engine/core/scheduler.py & co.: beam requests preempted and admitted all-or-nothing,
-   `RequestTooLargeError`, `LLM` refusing a beam width above ``max_batch_size``.
-
-Tests whose docstrings say "Was a defect" failed on the reviewed tree (each says why and what the
-fix is; all are fixed, the beam re-admission one first by a mitigation (passing over, as preemption
-victim, a lockstep request that could not be re-admitted unshared) and in the seventh session by the
-suggested fix: re-admitted beams share their common full blocks again, tests/test_beam_readmission.py);
-the others
-confirm behaviour the review checked. All CPU tests are fast; the pivot-path tests
-run the Triton kernels under ``TRITON_INTERPRET=1``; two tests compile kernels for sm_90 in a
-subprocess (no GPU needed; skipped without Triton's nvidia backend); ``gpu`` tests need an H200.
-"""
+"""The Triton sampler's pivot path (top-p / min-p rows) at its bounds: every generation cap equals the
+exact draw with bounds checks on, all-NaN greedy and plain rows get token 0, and the pivot kernels
+compile one variant set for every batch size (a subprocess compiling for sm_90; skipped without
+Triton's nvidia backend). The kernels run under ``TRITON_INTERPRET=1``."""
 
 from __future__ import annotations
 
@@ -29,10 +16,8 @@ import torch
 
 from kvpilot.sampling.sampler import Sampler, SamplingRow
 
-from support.beams import tiny# noqa: F401 (tiny: the model fixture)
-from support.paths import TESTS
+from support.paths import TOOLS
 
-TESTS = TESTS
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter")
 
@@ -51,7 +36,7 @@ def _run_script(tmp_path: Path, source: str, *args: str) -> str:
     script.write_text(textwrap.dedent(source))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    proc = subprocess.run([sys.executable, str(script), str(TESTS), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(script), str(TOOLS), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -107,17 +92,14 @@ def test_pivot_every_generation_cap_equals_exact_with_bounds_checks(monkeypatch,
 
 @needs_interpreter
 def test_all_nan_greedy_and_plain_rows_get_token_0():
-    """Was a defect, fixed this session.
-    (pre-existing in `_plain_kernel` / `_resolve_kernel`, not in today's diff; found while
-    checking NaN rows of the pivot path, which hands them to the exact path correctly).
+    """A greedy or plain-temperature row whose logits are all NaN (a numerically broken forward) gets
+    token 0, as on the exact and torch paths (torch.argmax of an all-NaN row).
 
-    A greedy or plain-temperature row whose logits are all NaN (a numerically broken forward)
-    comes back as token 2**31 - 1: every comparison with NaN is false, so no column ever becomes
-    the chunk's best and the id stays the INT_MAX sentinel. The engine appends it; with async
-    scheduling the device feeds it straight into the next step's embedding lookup (a read far out
-    of bounds on the GPU). The exact and torch paths return 0 (torch.argmax of an all-NaN row).
-    Fix: in `_resolve_kernel`'s plain branch, ``ptok = tl.where(ptok == _INT_MAX, 0, ptok)`` (or
-    hand such rows to the exact path)."""
+    Every comparison with NaN is false, so no column ever becomes the chunk's best and the id would
+    stay the INT_MAX sentinel (`_plain_kernel` / `_resolve_kernel`); with async scheduling the device
+    would feed it straight into the next step's embedding lookup (a read far out of bounds on the
+    GPU). `_resolve_kernel`'s plain branch maps the sentinel to 0. The pivot path hands NaN rows to the
+    exact path."""
     rows = _rows([(0.0, 1.0, 0.0), (0.8, 1.0, 0.0), (1.0, 0.9, 0.0), (1.0, 1.0, 0.1), (1.0, 0.9, 0.0, 20)])
     logits = torch.full((len(rows), 300), float("nan"))
     want = Sampler("exact").choose(logits, rows)
@@ -128,9 +110,11 @@ def test_all_nan_greedy_and_plain_rows_get_token_0():
 
 
 _SPECIALIZATION_SCRIPT = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import compile_kernels as ck  # removes TRITON_INTERPRET; its fake driver reports an sm_90 GPU
+import json
+import importlib.util, sys
+_spec = importlib.util.spec_from_file_location("compile_kernels", sys.argv[1] + "/compile_kernels.py")
+ck = sys.modules["compile_kernels"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ck)  # tools/compile_kernels.py: removes TRITON_INTERPRET; its fake driver reports an sm_90 GPU
 import torch, triton
 from triton.runtime.jit import JITFunction, compute_cache_key
 triton.runtime.driver.set_active(ck.FakeCudaDriver())
@@ -158,16 +142,12 @@ print(json.dumps({k: len(v) for k, v in KEYS.items()}))
 
 
 def test_pivot_kernels_compile_one_variant_set_for_every_batch_size(tmp_path):
-    """Was a defect, fixed this session.
-    (new in the reviewed diff). `_pivot_first_kernel` and `_pivot_kernel` now take ``S`` (the
-    logits' row count, i.e. the batch size, for the debug bounds check) as a plain int argument.
-    Triton specialises ints on == 1 and on divisibility by 16, so a batch of 1, a batch that is a
-    multiple of 16 and any other batch each compile their own variants of both kernels (4 variants
-    per class at the default 4 generations) the first time they are seen: compiles in the middle
-    of serving, which kernels/sampling.py otherwise avoids (``do_not_specialize`` on every count
-    that changes from step to step; `_resolve_kernel` has one variant here). Fix: add ``"S"`` to
-    ``do_not_specialize`` of `_pivot_first_kernel` (``["rows_ptr", "S"]``) and ``"S", "NC"`` to
-    `_pivot_kernel`'s (NC = ``vcy.numel()`` scales with the pivot-row count)."""
+    """`_pivot_first_kernel` and `_pivot_kernel` compile one variant set for every batch size: ``S`` (the
+    logits' row count, for the debug bounds check) and ``NC`` (``vcy.numel()``, which scales with the
+    pivot-row count) are in ``do_not_specialize``. Triton specialises ints on == 1 and on divisibility by
+    16, so otherwise a batch of 1, a batch that is a multiple of 16 and any other batch would each
+    compile their own variants the first time they are seen: compiles in the middle of serving, which
+    kernels/sampling.py avoids."""
     _needs_nvidia_backend()
     import json
 

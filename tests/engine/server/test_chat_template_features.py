@@ -188,3 +188,28 @@ def test_echo_text_follows_vllm():
     assert echo_text(req.model_copy(update={"echo": False})) == ""
     user_last = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], "echo": True})
     assert echo_text(user_last) == ""  # only a final assistant message is echoed
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+def test_model_directory_template_is_used(tokenizer, tmp_path, where):
+    """A model directory's own template, in ``chat_template.jinja`` or in ``tokenizer_config.json``'s
+    ``chat_template``, reaches the engine's tokenizer (`kvpilot.llm._load_tokenizer`) and renders as
+    transformers renders it."""
+    from kvpilot.llm import _load_tokenizer
+
+    saved = tokenizer.chat_template
+    tokenizer.chat_template = None
+    try:
+        tokenizer.save_pretrained(tmp_path)
+    finally:
+        tokenizer.chat_template = saved
+    if where == "chat_template.jinja":
+        (tmp_path / where).write_text(TEMPLATE)
+    else:
+        cfg = json.loads((tmp_path / where).read_text())
+        (tmp_path / where).write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
+    loaded = _load_tokenizer(tmp_path)
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = render_chat(loaded, _messages(*msgs), None, True, {"enable_thinking": False})
+    assert ids == _hf_ids(tokenizer, msgs, add_generation_prompt=True, enable_thinking=False)[1]
+    assert loaded.decode(ids).endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think></think>")

@@ -11,8 +11,8 @@ import pytest
 from kvpilot import cli
 from kvpilot.tools import bench_figures
 
-EXPECTED_FIGURES = ["accuracy", "prefill", "decode-b1", "ttft", "batch64", "offline", "http", "offline-bf16",
-                    "capacity"]
+EXPECTED_FIGURES = ["prefill", "decode-b1", "ttft", "batch64", "offline", "http", "offline-bf16", "capacity",
+                    "accuracy"]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def dry_model(tmp_path_factory):
 
 def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     out = tmp_path / "results.json"
-    rc = cli.main(["bench", "all", "--dry-run", "--model-dir", str(dry_model), "--out", str(out)])
+    rc = cli.main(["bench", "all", "--dry-run", "--model-dir", str(dry_model), "--out", str(out),
+                   "--commit", "abc1234"])
     table = capsys.readouterr().out
     assert rc == 0, table
     report = json.loads(out.read_text())
@@ -33,6 +34,7 @@ def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     assert all(f["status"] == "ok" for f in report["figures"].values()), report["figures"]
     assert {"meta", "figures", "rows", "measurements", "total_s"} <= set(report)
     assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
+    assert report["meta"]["commit"] == "abc1234" and "commit abc1234" in table
     rows = report["rows"]
     assert {r["figure"] for r in rows} == set(EXPECTED_FIGURES)
     for r in rows:
@@ -48,6 +50,10 @@ def test_bench_all_dry_run_produces_every_figure(dry_model, tmp_path, capsys):
     assert m["decode-b1"]["floor_itl_s"] > 0 and m["copy_bandwidth_Bps"] > 0
     assert m["offline"]["output_tokens"] == 12 * 16 and m["offline-bf16"]["output_tokens"] == 12 * 16
     assert m["batch64"]["output_tokens"] == 8 * 12
+    # every scheduled token of the fresh bf16 engine's run: 12 prompts of 24, then 15 decodes each
+    steps = m["offline-bf16"]["steps"]
+    scheduled = sum(p["steps"] * p["mean_tokens"] for p in steps.values() if p["steps"])
+    assert round(scheduled) == 12 * 24 + 12 * 15 and steps["decode_only"]["steps"] >= 15
     assert [run["concurrency"] for run in m["http"]] == [1, 4]
     assert all(run["failed"] == 0 and run["total_output_tokens"] == n * 8
                for run, n in zip(m["http"], (2, 8)))
@@ -93,3 +99,12 @@ def test_prefill_flops_counts_weights_attention_and_one_lm_head_row():
                num_key_value_heads=1, vocab_size=10)
     # per token per layer: q 8x8 + k,v 2 x 8x4 + o 8x8 + 3 x 8x16 = 576 weights; attention 2 x 2 x 2 x 4 x T(T+1)/2
     assert bench_figures.prefill_flops(cfg, 3) == 2 * 2 * 576 * 3 + 2 * 2 * 2 * 2 * 4 * 6 + 2 * 8 * 10
+
+
+def test_full_figures_without_a_gpu_stop_with_one_line(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["bench", "all", "--figures", "capacity"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA GPU" in err and "--dry-run" in err and "Traceback" not in err

@@ -10,7 +10,7 @@ software pipeliner hoists loads into loop prologues, ptxas schedules loads early
 data or overwrite data the previous kernel still reads. This script compiles the decode-path
 launches through their public wrappers, with the rule of ``pdl.pdl_mode`` (PDL for launches of at
 most ``PDL_MAX_ROWS`` rows; the GPU and interpreter checks forced), using the fake sm_90 driver
-of ``tests/compile_kernels.py``, and checks each compiled specialization:
+of ``tools/compile_kernels.py``, and checks each compiled specialization:
 
 - launched with ``launch_pdl=True`` => compiled with ``USE_PDL=True``; launched without it =>
   compiled with ``USE_PDL=False`` (a kernel that never waits must never be launched with PDL);
@@ -25,7 +25,7 @@ of ``tests/compile_kernels.py``, and checks each compiled specialization:
 
 Usage (never with ``/work/main`` as the current directory: ``operator/`` shadows the stdlib)::
 
-    cd /tmp && /path/to/python /path/to/tests/pdl_order_check.py [--verbose]
+    cd /tmp && /path/to/python /path/to/tools/pdl_order_check.py [--verbose]
 
 Runs on the GPU machine too (it never launches anything): there it checks the GPU's own Triton
 (3.6), whose compiler may order things differently from this machine's. ``--scan-cache [DIR]``

@@ -2,7 +2,7 @@
 
 Usage (on a CUDA machine, after `make install` or `pip install -e .`; about 2 minutes on an H200):
 
-    python3 benchmarks/gpu_sliding_window.py [--context 32768] [--window 4096] [--json PATH]
+    python3 benchmarks/lab/gpu_sliding_window.py [--context 32768] [--window 4096] [--json PATH]
 
 Shapes: Mistral-7B / Llama-3-8B attention (32 query heads, 8 kv heads, head_dim 128), KV page 32,
 bf16 cache; the soft-capped rows use Gemma 2's cap of 50. Cases:
@@ -40,28 +40,29 @@ MAX_ERR = 0.02
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |out - ref| / (1 + |ref|): one bf16 rounding stays below 0.004."""
     out, ref = out.float(), ref.float()
     return ((out - ref).abs() / (1 + ref.abs())).max().item()
 
 
 def bench(fn) -> float:
-    """Median milliseconds of ``fn``."""
+    """Median milliseconds of ``fn`` (`triton.testing.do_bench`)."""
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int = 0):
-    """A random paged batch: each sequence's pages shuffled over the cache. Returns the arguments of
-    `paged_attention_triton` (q, caches, tables, seq_lens, query_start_loc, scale, bounds)."""
+def paged_batch(q_lens: list[int], seq_lens: list[int], seed: int = 0) -> list:
+    """A random bf16 paged batch whose sequence ``i`` has ``seq_lens[i]`` keys, the last ``q_lens[i]``
+    of them this step's queries, its pages shuffled over the cache: the arguments of
+    `paged_attention_triton`, as a list."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-s // BLOCK) for s in seq_lens]
-    num_blocks = sum(pages) + 1
-    perm = torch.randperm(num_blocks, device="cuda", generator=g).int()
+    perm = torch.randperm(sum(pages), device="cuda", generator=g).int()
     tables = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
     start = 0
     for i, n in enumerate(pages):
         tables[i, :n] = perm[start: start + n]
         start += n
-    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    shape = (sum(pages), BLOCK, KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, device="cuda", generator=g, dtype=DT)
     v_cache = torch.randn(shape, device="cuda", generator=g, dtype=DT)
     q = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", generator=g, dtype=DT)

@@ -3,7 +3,7 @@
 Usage (on a CUDA machine, after ``pip install -e .``; about 1.5 minutes on an H200 with a cold
 Triton cache)::
 
-    python3 benchmarks/gpu_pdl_review.py [--trials 20] [--layers 8] [--skip-chain] [--json PATH]
+    python3 benchmarks/lab/gpu_pdl_races.py [--trials 20] [--layers 8] [--skip-chain] [--json PATH]
 
 1. **Late writer** (correctness). For each PDL-launched kernel (the fused GEMVs at M = 1 and 8,
    RMSNorm, rotary + KV write, decode attention with and without context splits and its
@@ -322,7 +322,7 @@ def chain_worker(mode: str, layers: int, out_path: str) -> None:
         enter = _pdl_enter_wait_first if mode == "wait_first" else _pdl_enter_no_trigger
         for mod in (attention, KG, kv_cache, pointwise):
             mod.pdl_enter = enter
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_decode_layer as gdl
 
     mods, caches, meta, positions, cos_sin, hidden0 = gdl.build_layers(layers, 4096)

@@ -2,16 +2,16 @@
 
 Usage (one H200 after `pip install -e .`; about 2 minutes; ``--tp 2`` about 1 minute):
 
-    python3 benchmarks/gpu_gemv_vec.py [--layers 32] [--context 512] [--json PATH]
-    python3 benchmarks/gpu_gemv_vec.py --tp 2 [--ops qkv o gate_up down] [--json PATH]
-    python3 benchmarks/gpu_gemv_vec.py --tp 2 --compile-check     # no GPU: ptxas for sm_90 on the CPU
+    python3 benchmarks/lab/gpu_gemv_vec.py [--layers 32] [--context 512] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_vec.py --tp 2 [--ops qkv o gate_up down] [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_vec.py --tp 2 --compile-check     # no GPU: ptxas for sm_90 on the CPU
 
 The fma path's register accumulator holds one fp32 partial sum per weight element of a tile
 (``[BLOCK_N, BLOCK_K]``: twice the registers of the tile itself), which caps a 4-warp program at 4
 per SM and so the weight bytes in flight. ``vec=8`` loads each tile as ``[BLOCK_N, BLOCK_K / 8, 8]``
 and sums a thread's 16-byte vector of products at once (a ``[BLOCK_N, BLOCK_K / 8]`` accumulator),
 which frees registers for more programs per SM. (An earlier attempt, ``ksub``, reshaped 2-D tiles
-instead; Triton then moved data between threads and it ran 1.6-2.8x slower: BENCHMARKS.md, eighth session.)
+instead; Triton then moved data between threads and it ran 1.6-2.8x slower: BENCHMARKS.md, "Batch-1 GEMVs with vector-summed tiles".)
 
 ``--tp 1`` (the default):
 
@@ -34,7 +34,7 @@ configuration ``gemv_config`` gives that shard today, cuBLAS and ``TP2_CANDIDATE
   the shapes each row catches, same-N conflicts that need a K bound (a ``kernels/gemv.py`` change), and
   what the rows change for the TP-4 and TP-8 shards (not timed).
 No whole-layer part (``gpu_decode_layer`` builds TP-1 layers only).
-``--compile-check`` compiles the TP-2 configurations for sm_90 without a GPU (``tests/compile_kernels.py``'s
+``--compile-check`` compiles the TP-2 configurations for sm_90 without a GPU (``tools/compile_kernels.py``'s
 fake driver; the CPU's Triton, not the H200's) and prints registers, spills and programs resident per
 SM; exits 1 on a failed compile, a spill, or a persistent grid (``programs_per_sm``) larger than fits.
 Exits 1 on a mismatch.
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_decode_layer as D  # noqa: E402
 import gpu_gemv as GB  # noqa: E402
 from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
@@ -78,7 +78,7 @@ def _fma_row(prologue: str, n: int, k: int) -> int:
 
 # op -> (prologue, index of its M = 1 fma row in CONFIGS[prologue], candidates)
 OPS = {
-    # The eighth session's first run tried gate_up at 8 and 16 columns x 1024 and down at 4-16 columns:
+    # A first run tried gate_up at 8 and 16 columns x 1024 and down at 4-16 columns:
     # all slower than the 2-D table (BENCHMARKS.md). Narrower tiles won for QKV and o_proj, so these
     # are the narrow ones, not yet timed.
     "gate_up": ("rmsnorm", _fma_row("rmsnorm", 28672, 4096), [
@@ -437,7 +437,7 @@ def compile_check(ops: list[str]) -> int:
         print("--compile-check compiles: run it without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp())  # empty: ptxas runs, so registers are known
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import compile_kernels as ck  # noqa: E402 - its fake driver reports an sm_90 GPU
 
     from triton.backends.nvidia.compiler import get_ptxas

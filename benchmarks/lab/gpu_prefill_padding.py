@@ -1,4 +1,4 @@
-"""GPU check of the seventh-session review (b) (tests/test_review_session7b.py): padded eager prefill
+"""GPU check (tests/engine/parallel/test_parallel_prefill_padding.py on the CPU): padded eager prefill
 is one GPU's prefill-graph replay, bit for bit, on CUDA; and the ``out_dtype=float32`` cuBLAS path of
 the row-parallel reduction in fp16 and bf16.
 
@@ -21,8 +21,8 @@ product (rel. error vs float64 above 1e-5) or is not float32. Prints how many st
 differs on, and the median step time of each variant per kind of step. About a minute on an H200
 (model writing included).
 
-    python3 benchmarks/gpu_review7b_padding.py [--layers 4] [--steps 60]
-    python3 benchmarks/gpu_review7b_padding.py --device cpu     # dry run with the CPU graph doubles
+    python3 benchmarks/lab/gpu_prefill_padding.py [--layers 4] [--steps 60]
+    python3 benchmarks/lab/gpu_prefill_padding.py --device cpu     # dry run with the CPU graph doubles
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _run(runner, plan, mode: str, pg, buckets, device: str):
 
 class RandomSchedule:
     """A random engine-like schedule of prefill chunks and decodes over a block pool (also used by
-    tests/test_review_session7b.py on the CPU).
+    tests/engine/parallel/test_parallel_prefill_padding.py on the CPU).
 
     Up to ``max_seqs`` sequences live at once, each with ``width`` blocks of ``block`` tokens of the
     pool ``[0, num_blocks)``; a prompt is 2..40 tokens, or up to ``long_prompt``; each step takes a
@@ -208,7 +208,7 @@ def check_out_dtype(device: str) -> tuple[bool, list[str]]:
         ):
             err = float((got.double() - want).norm() / want.norm())
             # silu_mul_gemv: above the Triton GEMV's rows the activation comes from the Triton
-            # silu_and_mul, a rare bf16 ulp apart from the reference's (test_kernels_gemv_out_dtype.py)
+            # silu_and_mul, a rare bf16 ulp apart from the reference's (test_gemv_out_dtype.py)
             good = got.dtype == torch.float32 and err < (1e-5 if name == "gemv" else 1e-3)
             lines.append(f"{'ok  ' if good else 'FAIL'} {name} {dt} M={m} out_dtype=float32: {got.dtype}, rel err {err:.1e}")
             ok &= good

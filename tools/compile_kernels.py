@@ -28,12 +28,12 @@ forced (see ``GPU_CONSTEXPRS`` and ``_patch_gpu_paths``), so the GPU path is the
 
 Usage (never with ``/work/main`` as the current directory: ``operator/`` shadows the stdlib)::
 
-    cd /tmp && /path/to/.venv/bin/python /path/to/tests/compile_kernels.py \
+    cd /tmp && /path/to/.venv/bin/python /path/to/tools/compile_kernels.py \
         [--only SUBSTR ...] [--jobs N] [--list] [--self-test]
 
 ``TRITON_INTERPRET`` is removed from the environment here, before Triton is imported. Compiled
 kernels go to Triton's cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``); point it at an
-empty directory to really compile (``tests/test_kernels_compile.py`` does). Exit status: 0 when
+empty directory to really compile (``tests/kernels/test_compile.py`` does). Exit status: 0 when
 everything compiled, 1 on any failure, 2 on bad arguments, 3 (with a line starting "SKIP") when
 this Triton has no ptxas for sm_90.
 
@@ -753,7 +753,7 @@ def _selftest_helper(x):
 
 @triton.jit
 def _selftest_kernel(x_ptr, idx_ptr, n):
-    # The bug pattern of sampling.draw (fixed): a placeholder buffer of the wrong dtype makes a
+    # A pattern sampling.draw must avoid: a placeholder buffer of the wrong dtype makes a
     # loop-carried variable change type. Under TRITON_INTERPRET=1 with n = 0 this "works".
     best = tl.full((), 0, tl.int32)
     i = 0
@@ -895,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
         for helper in sorted(inside):
             print(f"{helper}: helper, compiled inside {inside[helper]}")
         for name in missing:
-            failures.append(f"{name}: @triton.jit kernel never compiled (add a case to tests/compile_kernels.py)")
+            failures.append(f"{name}: @triton.jit kernel never compiled (add a case to tools/compile_kernels.py)")
         for key in sorted(set(GPU_CONSTEXPRS) - overrides_used):
             failures.append(f"GPU_CONSTEXPRS entry {key} matched no launch: the wrapper changed; "
                             "check which path it now takes on CUDA")

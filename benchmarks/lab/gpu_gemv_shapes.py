@@ -1,9 +1,9 @@
-"""Eighth-session review of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
+"""GPU checks of the batch-1 GEMV options (kernels/gemv.py): checks at other models'
 shapes and dtypes, and the one-load RMSNorm pass's register cost at K = 8192 and 16384.
 
 Usage (one H200 after `pip install -e .`; under a minute):
 
-    python3 benchmarks/gpu_gemv_review8.py [--json PATH]
+    python3 benchmarks/lab/gpu_gemv_shapes.py [--json PATH]
 
 1. Checks (compiled paths the CPU interpreter never runs with real tile sizes): the dispatchers at
    M = 1 (so the launch table's batch-1 rows) for qkv, gate_up, o_proj and down at Llama-3.1-8B,
@@ -14,7 +14,7 @@ Usage (one H200 after `pip install -e .`; under a minute):
    also with a strided bias and as an fp32 partial product.
 2. Timing (bf16, CUDA graphs over rotating weight copies, `gpu_gemv.Op`): the table's rmsnorm
    configuration (``norm_one_load``) against the same configuration with the K-tile norm pass.
-   ptxas (tests/compile_kernels.py) gives the vec row 58 registers at K <= 4096 but 79 at 8192 and
+   ptxas (tools/compile_kernels.py) gives the vec row 58 registers at K <= 4096 but 79 at 8192 and
    164 at 16384 with the one-load pass (58 with the loop), and the early_weight row 128 / 248 at
    8192 / 16384: fewer resident programs than ``programs_per_sm`` asks (8 and 4 per SM). A ratio
    above 1 in the last column says the one-load pass loses at that K. (``NORM_ONE_LOAD_MAX`` keeps
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))  # the lab scripts it builds on
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_gemv as GB  # noqa: E402
 
 from kvpilot.kernels import gemv as G  # noqa: E402

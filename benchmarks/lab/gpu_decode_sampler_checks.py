@@ -1,24 +1,23 @@
-"""GPU checks of the sixth session's review (tests/test_review_session6.py), one short H200 run.
+"""GPU checks of decode attention's lazy rescale and the Triton sampler's pivot and NaN paths, one short H200 run.
 
 1. ``lazy``: `_decode_kernel` with ``TUNING["decode"]["lazy_rescale"]`` on and off at Llama-3.1-8B
    decode shapes (32 query / 8 kv heads of 128, bf16 and FP8 caches; batch 96 x 200-3,000 tokens,
    batch 448 x 1,200, batch 1 x 32k with context splits): both against the PyTorch reference
-   (float32 softmax), the number of output elements whose bits differ between them (the review
-   found the lazy update rounds the running sum twice where the eager one uses an FMA), and the
+   (float32 softmax), the number of output elements whose bits differ between them (the lazy
+   update can round the running sum twice where the eager one uses an FMA), and the
    median time of each.
 2. ``pivot``: the first `Sampler("triton")` call at batch sizes 1, 7, 16, 33, 48 (top-p 0.9 rows,
    V = 128,256) after a warm-up at batch 7: a batch 1 or a multiple of 16 compiles new variants of
    the pivot kernels (``S`` is specialised on) -> a first call of ~1 s instead of ~1 ms.
 3. ``nan``: all-NaN logits rows through `Sampler("triton")` (greedy, plain, top-p, min-p, top-k):
-   every token must lie in the vocabulary (the reviewed tree returns 2**31 - 1 for greedy/plain).
+   every token must lie in the vocabulary (a defective sampler returned 2**31 - 1 for greedy/plain).
 
-    python3 benchmarks/gpu_review6.py [--sections lazy,pivot,nan]
+    python3 benchmarks/lab/gpu_decode_sampler_checks.py [--sections lazy,pivot,nan]
 
 Exit status: 0 when every check holds; 1 when a kernel disagrees with its reference, a token is
 out of the vocabulary, or the lazy and eager outputs differ in more than 1e-4 of their elements or
-by more than 2e-3 / the pivot kernels compile per batch-size class. Run in the seventh session: lazy
-and eager differed by one bf16 ulp in 1-3 of ~400k outputs (the tensor-core accumulation order; the
-check asked for the same bits then and failed), pivot and NaN checks passed. About a minute.
+by more than 2e-3 / the pivot kernels compile per batch-size class. On an H200: lazy
+and eager differed by one bf16 ulp in 1-3 of ~400k outputs (the tensor-core accumulation order), pivot and NaN checks passed. About a minute.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ def lazy_section() -> bool:
             if max(err) > 2e-2:
                 print(f"MISMATCH: attention differs from the reference by {max(err):.3g}")
                 ok = False
-            # Seventh session (H200): 1-3 of ~400k outputs differ by one bf16 ulp, from the order in
+            # On an H200: 1-3 of ~400k outputs differ by one bf16 ulp, from the order in
             # which the tensor-core sum meets the running output; more than that is a defect.
             if n_diff > 1e-4 * outs[True].numel() or float(diff.max()) > 2e-3:
                 ok = False

@@ -32,7 +32,7 @@ different shape may diverge on random weights (bf16, another summation order): t
 index is printed. Results also go to ``$OUT/gpu_tp_profile.json``.
 
 Usage (an nvidia-h200-x2, about 2-3 minutes; from the repo root by path, never ``python -m``):
-``python3 benchmarks/gpu_tp_profile.py``; the sampling path at TP 2, the output rank's against the
+``python3 benchmarks/lab/gpu_tp_profile.py``; the sampling path at TP 2, the output rank's against the
 front end's: ``--layouts "1x1,2x1,2x1:KVPILOT_TP_RANK_SAMPLING=0" --sampled``.
 """
 

@@ -114,24 +114,37 @@ class ParallelContext:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dimension: ``x / rms(x) * w`` (+ fused residual add: see
-    `kvpilot.kernels.rms_norm`). ``weight_offset`` 1.0 is Gemma's ``x / rms(x) * (1 + w)``: the
-    checkpoint stores ``w`` and `process_weights_after_loading` adds the offset once, so the same
-    kernels run (in float32 the product is exactly transformers' ``1.0 + w.float()``)."""
+    """RMSNorm over the last dimension of ``[T, hidden]`` (+ fused residual add: `kvpilot.kernels.rms_norm`).
+
+    ``weight_offset`` 0 (Llama): ``w * bf16(x / rms(x))`` through the kernels. ``weight_offset`` 1
+    (Gemma): ``x / rms(x) * (1 + w)`` computed in float32 and rounded once, as transformers'
+    ``GemmaRMSNorm`` does (the checkpoint stores ``w``; `process_weights_after_loading` keeps
+    ``1 + w`` in float32). Rounding the normalised input and ``1 + w`` to bf16 first, as the Llama
+    kernel would, measurably raised the bf16 log-prob error of a random Gemma 3 above transformers'
+    own (benchmarks/gpu_family_accuracy.py, CPU dry run: 7.5e-3 against 6.5e-3 mean; 6.0e-3 with
+    this arithmetic). These norms run as PyTorch ops (several launches each on a GPU).
+    """
 
     def __init__(self, hidden: int, eps: float, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
         self.weight_offset = weight_offset
+        self._scale: Optional[torch.Tensor] = None  # 1 + w in float32 (offset norms)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        return K.rms_norm(x, self.weight, self.eps, residual)
+        if not self.weight_offset:
+            return K.rms_norm(x, self.weight, self.eps, residual)
+        h = x if residual is None else (x.float() + residual.float()).to(x.dtype)
+        hf = h.float()
+        scale = self._scale if self._scale is not None else self.weight.float() + self.weight_offset
+        y = (hf * torch.rsqrt(hf.pow(2).mean(dim=-1, keepdim=True) + self.eps) * scale).to(x.dtype)
+        return y if residual is None else (y, h)
 
     @torch.no_grad()
     def process_weights_after_loading(self) -> None:
         if self.weight_offset:
-            self.weight.add_(self.weight_offset)
+            self._scale = self.weight.float() + self.weight_offset
 
 
 class VocabParallelEmbedding(nn.Module):

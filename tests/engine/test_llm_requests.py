@@ -103,7 +103,7 @@ def test_shutdown_then_submit_fails_fast(stories_model_dir):
         llm.generate("", SamplingParams(max_tokens=2))
 
 
-def test_sliding_window_models_are_refused(tmp_path):
+def test_sliding_window_config_loads_with_the_window_kept_for_the_family(tmp_path):
     import json
 
     from kvpilot.model.config import ModelConfig
@@ -111,11 +111,10 @@ def test_sliding_window_models_are_refused(tmp_path):
     cfg = {"architectures": ["MistralForCausalLM"], "vocab_size": 32, "hidden_size": 8, "intermediate_size": 16,
            "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 4096}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="sliding-window"):
-        ModelConfig.from_dir(tmp_path)
-    cfg["sliding_window"] = None
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert ModelConfig.from_dir(tmp_path).num_key_value_heads == 2
+    loaded = ModelConfig.from_dir(tmp_path)
+    assert loaded.architecture == "MistralForCausalLM"
+    assert loaded.raw["sliding_window"] == 4096
+    assert loaded.num_key_value_heads == 2
 
 
 def test_aborted_non_streaming_request_keeps_what_it_generated(llm):

@@ -419,5 +419,7 @@ def test_bench_serve(server):
     assert all(r.prompt_tokens >= 9 for r in results)  # 8 words + BOS
     assert all(0 < r.ttft <= r.e2e and len(r.itls) >= 1 for r in results)
     assert 0 < s["ttft_ms"]["p50"] <= s["e2e_ms"]["p50"]
-    failed, _ = asyncio.run(run_serve_benchmark(server.url, MODEL, prompts[:1], 1, 4, api_key="wrong"))
-    assert not failed[0].ok and "401" in failed[0].error
+    from kvpilot.tools.bench import BenchmarkError
+
+    with pytest.raises(BenchmarkError, match="HTTP 401"):
+        asyncio.run(run_serve_benchmark(server.url, MODEL, prompts[:1], 1, 4, api_key="wrong"))

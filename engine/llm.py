@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import os
 import queue
 import random
 import threading
@@ -28,6 +27,7 @@ from kvpilot.sampling_params import SamplingParams
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
 from kvpilot.text import check_text
+from kvpilot.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        tuning: the engine's performance switches (`kvpilot.tuning.Tuning`), for benchmarks and
+            tests; default: the measured winners, overridden by ``KVPILOT_TUNING`` when that is set.
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -81,7 +83,8 @@ class LLM:
                  max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
-                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None) -> None:
+                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
+                 tuning: Optional[Tuning] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -89,6 +92,11 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a kvpilot.tuning.Tuning, got {type(tuning).__name__}")
+        self.tuning = tuning = tuning if tuning is not None else Tuning.from_env()
+        if tuning.overrides():
+            logger.info("tuning overrides: %s", tuning.overrides())
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
@@ -117,7 +125,8 @@ class LLM:
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
-                                max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse)
+                                max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
+                                tuning=tuning)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)
@@ -329,10 +338,8 @@ def _freeze_gc() -> None:
     wrappers, tokenizer tables) out of the cyclic garbage collector's reach (`gc.freeze`), as vLLM
     does after its engine starts. A full collection of a started engine's process otherwise walks
     ~300k objects: 136 ms on this project's CPU machine (stories260K, transformers imported), a
-    stall of many decode steps whenever Python decides to run one. ``KVPILOT_GC_FREEZE=0`` skips it.
+    stall of many decode steps whenever Python decides to run one (BENCHMARKS.md).
     """
-    if os.environ.get("KVPILOT_GC_FREEZE", "1") in ("0", "false", "False", "no"):
-        return
     gc.collect()
     gc.freeze()
 
@@ -380,4 +387,4 @@ def _make_executor(llm: LLM, device: str, dtype: str):
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
-                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype)
+                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype, tuning=llm.tuning)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 
 import torch
 
@@ -244,22 +243,14 @@ def rotary_write_kv_cache(q, k, v, positions, cos_sin_cache, k_cache, v_cache, s
 _fused_rotary_failed = False
 
 
-def fused_decode_attention_enabled() -> bool:
-    """``KVPILOT_FUSED_DECODE_ATTN`` (default on): decode-only batches of at most
-    ``kernels.attention.TUNING["decode"]["fused_rotary_max_seqs"]`` sequences run
-    `rotary_decode_attention`'s one-launch kernel; ``0`` (also false/no) keeps the rotary + write
-    and attention launches (A/B benchmarks)."""
-    return os.environ.get("KVPILOT_FUSED_DECODE_ATTN", "1") not in ("0", "false", "False", "no")
-
-
 def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, block_tables,
                             seq_lens, query_start_loc, scale, max_seq_len, *, launch_kv_heads=None,
                             sliding_window=None, logits_soft_cap=None):
     """Rotary, KV-cache write and attention of a decode-only batch (``max_query_len == 1``).
 
     On CUDA with Triton: one launch (`rotary_decode_attention_triton`) for batches of at most
-    ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences while `fused_decode_attention_enabled`,
-    else `rotary_write_kv_cache` then `paged_attention`; elsewhere `rotary_decode_attention_ref`.
+    ``TUNING["decode"]["fused_rotary_max_seqs"]`` sequences (4.18 against 4.25 ms batch-1 ITL at
+    512 keys, and faster at every context measured, BENCHMARKS.md), else `rotary_write_kv_cache` then `paged_attention`; elsewhere `rotary_decode_attention_ref`.
     Callers must use the returned output only (``q`` may or may not be rotated in place).
     ``launch_kv_heads`` as for `paged_attention`. The one-launch kernel writes K/V only for tokens in
     a sequence's one-token query range (the engine's padding has slot -1, so the paths agree there).
@@ -277,7 +268,7 @@ def rotary_decode_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache,
                                            block_tables, seq_lens, query_start_loc, scale, max_seq_len, **window)
     global _fused_decode_failed
     tuning = _triton_impl("attention", "TUNING")["decode"]
-    if (not _fused_decode_failed and fused_decode_attention_enabled()
+    if (not _fused_decode_failed
             and seq_lens.shape[0] <= tuning.get("fused_rotary_max_seqs", 0)):
         try:
             return rotary_decode_attention_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping,

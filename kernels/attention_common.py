@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +99,8 @@ TUNING = {
 
 def decode_tuning_from_json(text: str) -> dict:
     """The ``TUNING["decode"]`` entries of ``text``, a JSON object such as '{"batch_tma_fp8": false}'
-    (``KVPILOT_DECODE_TUNING``, applied at import so that benchmarks can A/B launch options in
-    engines of their own).
+    (benchmarks A/B launch options by updating ``TUNING["decode"]`` with it in their own process,
+    e.g. ``benchmarks/lab/gpu_recheck.py --decode-tuning``).
 
     Raises:
         ValueError: not a JSON object, a key ``TUNING["decode"]`` does not have, or a
@@ -110,19 +109,16 @@ def decode_tuning_from_json(text: str) -> dict:
     try:
         over = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"KVPILOT_DECODE_TUNING is not JSON: {e}") from None
+        raise ValueError(f"decode tuning is not JSON: {e}") from None
     if not isinstance(over, dict):
-        raise ValueError(f"KVPILOT_DECODE_TUNING must be a JSON object, got {type(over).__name__}")
+        raise ValueError(f"decode tuning must be a JSON object, got {type(over).__name__}")
     unknown = sorted(set(over) - set(TUNING["decode"]))
     if unknown:
-        raise ValueError(f"KVPILOT_DECODE_TUNING: unknown keys {unknown}; known: {sorted(TUNING['decode'])}")
+        raise ValueError(f"decode tuning: unknown keys {unknown}; known: {sorted(TUNING['decode'])}")
     if over.get("batch_tma_pages", 1) not in (1, 2):
-        raise ValueError(f"KVPILOT_DECODE_TUNING: batch_tma_pages must be 1 or 2, got {over['batch_tma_pages']!r}")
+        raise ValueError(f"decode tuning: batch_tma_pages must be 1 or 2, got {over['batch_tma_pages']!r}")
     return over
 
-
-if os.environ.get("KVPILOT_DECODE_TUNING"):
-    TUNING["decode"].update(decode_tuning_from_json(os.environ["KVPILOT_DECODE_TUNING"]))
 @triton.jit
 def _split_size(seq_len, num_splits, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     """Keys per split of one sequence: its own context over ``num_splits``, in whole ``BLOCK_N``

@@ -56,7 +56,6 @@ the H200 measurements behind them.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -73,10 +72,6 @@ try:  # the references and dispatchers work without Triton
     from .pointwise import _gelu_tanh
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
-try:  # host-side TMA descriptors (Triton >= 3.3); without them "tma" rows fall back to the next row
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - old Triton
-    TensorDescriptor = None
 
 __all__ = [
     "MAX_TRITON_ROWS",
@@ -234,13 +229,11 @@ def gelu_tanh_mul_gemv_ref(
 def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
                   num_stages: int = 1, prefetch: bool = False, programs_per_sm: int = 0,
                   norm_one_load: bool = False, early_weight: bool = False, vec: int = 0,
-                  late_trigger: bool = False, min_k: int = 0) -> dict:
+                  min_k: int = 0) -> dict:
     """One launch configuration.
 
-    ``kind`` "fma" (register products; ``block_m`` up to 8), "dot" (``tl.dot``; every block
-    >= 16) or "tma" (M = 1: ``block_m`` 1; weight tiles arrive by TMA into a ``num_stages``-deep
-    shared-memory ring, products in registers; ``_gemv_tma_kernel``; no other option applies but
-    ``late_trigger``: the next PDL kernel is let in after the K loop instead of at entry).
+    ``kind`` "fma" (register products; ``block_m`` up to 8) or "dot" (``tl.dot``; every block
+    >= 16).
     ``min_k``: as a launch-table row, the configuration only serves weights of at least that many
     columns (:func:`gemv_config` passes over it for smaller K).
     ``prefetch`` double-buffers the K tiles in registers. ``programs_per_sm`` > 0 caps the grid at
@@ -254,22 +247,15 @@ def launch_config(kind: str, block_m: int, block_n: int, block_k: int, num_warps
     ``[block_n, block_k / vec, vec]`` and sums each ``vec`` run of products at once, so the
     accumulator is ``vec`` times smaller (``vec`` = 16 bytes / element size keeps one vector per thread).
 
-    Raises ValueError on an unknown ``kind``, ``early_weight`` with ``prefetch``, a ``vec`` that is
-    not 0 or a power of two or is combined with what it excludes, a "tma" configuration with any
-    other option, ``block_m`` > 1, ``block_n`` > 256 or ``block_k`` > 512, or ``late_trigger``
-    without "tma". (The *_triton functions refuse a "tma" configuration for a weight TMA cannot
-    address, ValueError; a "tma" launch-table row gives way to the next row instead.)
+    Raises ValueError on an unknown ``kind``, ``early_weight`` with ``prefetch``, or a ``vec`` that
+    is not 0 or a power of two or is combined with what it excludes.
     """
-    if kind not in ("fma", "dot", "tma"):
-        raise ValueError(f"kind must be 'fma', 'dot' or 'tma', got {kind!r}")
-    return _check_config(dict(use_dot=kind == "dot", tma=kind == "tma", block_m=block_m, block_n=block_n,
+    if kind not in ("fma", "dot"):
+        raise ValueError(f"kind must be 'fma' or 'dot', got {kind!r}")
+    return _check_config(dict(use_dot=kind == "dot", block_m=block_m, block_n=block_n,
                               block_k=block_k, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                               programs_per_sm=programs_per_sm, norm_one_load=norm_one_load,
-                              early_weight=early_weight, vec=vec, late_trigger=late_trigger,
-                              min_k=min_k))  # fmt: skip
-
-
-_TMA_MAX_BLOCK_K = 512  # columns of a "tma" weight block (measured on an H200; rows: at most 256)
+                              early_weight=early_weight, vec=vec, min_k=min_k))  # fmt: skip
 
 
 def _check_config(cfg: dict) -> dict:
@@ -278,13 +264,6 @@ def _check_config(cfg: dict) -> dict:
     Also applied to ``config=`` dicts given to the ``*_triton`` functions: a ``vec`` dict edited to
     ``block_m`` > 1 or ``use_dot`` would otherwise read the row ``sum(rows)`` of ``x`` (beyond M)."""
     vec = cfg.get("vec", 0)
-    if cfg.get("tma") and (cfg["block_m"] != 1 or cfg["use_dot"] or vec or cfg.get("prefetch")
-                           or cfg.get("early_weight") or cfg.get("programs_per_sm") or cfg["num_stages"] < 1
-                           or cfg["block_n"] > 256 or cfg["block_k"] > _TMA_MAX_BLOCK_K):
-        raise ValueError(f"tma needs block_m 1, block_n <= 256, block_k <= {_TMA_MAX_BLOCK_K}, num_stages >= 1 "
-                         f"and no other option but late_trigger")
-    if cfg.get("late_trigger") and not cfg.get("tma"):
-        raise ValueError("late_trigger applies to the 'tma' kind only")
     if cfg.get("early_weight") and cfg.get("prefetch"):
         raise ValueError("early_weight and prefetch cannot be combined")
     if vec < 0 or vec & (vec - 1):
@@ -307,10 +286,9 @@ _cfg = launch_config
 # Per prologue, rows (max rows M, min N, configuration): the first row with M <= max rows and
 # N >= min N (and K >= the configuration's min_k) is used. Chosen by benchmarks/lab/gpu_gemv.py --sweep
 # on an H200 at the Llama-3.1-8B shapes, timed inside CUDA graphs (docs/kernels.md, "Fused decode
-# GEMV"). No row uses the "tma" kind: with its best rows (gate/up, down, QKV; benchmarks/lab/gpu_gemv_tma.py)
-# 32 layers with a bf16 KV cache took 3% less time, but the engine's batch-1 ITL did not change
-# (bf16 or FP8 KV cache; BENCHMARKS.md). A "tma" row would keep an fma row behind it
-# for the weights and devices TMA cannot serve.
+# GEMV"). Weight tiles streamed by TMA into shared memory were measured too (32 layers with a bf16
+# KV cache 3% faster, the engine's batch-1 ITL unchanged with bf16 or FP8 KV caches; BENCHMARKS.md),
+# and left out.
 CONFIGS: dict[str, list[tuple[int, int, dict]]] = {
     "rmsnorm": [
         (1, 16384, _cfg("fma", 1, 8, 1024, programs_per_sm=4, norm_one_load=True, early_weight=True)),
@@ -343,15 +321,14 @@ FUSED_MAX_ROWS: dict[str, int] = {"rmsnorm": 1, "silu": 1, "plain": 2}
 the fused kernel beats the unfused pair (rms_norm / silu_and_mul + cuBLAS) only up to there."""
 
 
-def gemv_config(m: int, n: int, k: int, prologue: str = "plain", tma: bool = True) -> dict:
+def gemv_config(m: int, n: int, k: int, prologue: str = "plain") -> dict:
     """Launch configuration for ``m`` rows (``1 <= m <= MAX_TRITON_ROWS``) of a ``[n, k]`` weight.
 
     ``prologue`` is "plain" (``gemv``), "rmsnorm" or "silu". Returns a :func:`launch_config` dict
-    from the first row of ``CONFIGS[prologue]`` that fits (``tma=False``: skipping "tma" rows, for
-    weights a TMA descriptor cannot address). Raises ValueError when none does.
+    from the first row of ``CONFIGS[prologue]`` that fits. Raises ValueError when none does.
     """
     for max_m, min_n, cfg in CONFIGS[prologue]:
-        if m <= max_m and n >= min_n and k >= cfg.get("min_k", 0) and (tma or not cfg.get("tma")):
+        if m <= max_m and n >= min_n and k >= cfg.get("min_k", 0):
             return cfg
     raise ValueError(f"no GEMV launch configuration for {m} rows of a [{n}, {k}] weight ({prologue})")
 
@@ -621,105 +598,6 @@ if triton is not None:
         return acc
 
 
-if triton is not None:
-
-    @triton.jit
-    def _gemv_tma_kernel(
-        x_ptr, res_ptr, nw_ptr, w_desc, b_ptr, y_ptr, h_ptr, eps, N, K,
-        PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, NORM_PAD: tl.constexpr,
-        USE_PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False,
-    ):  # fmt: skip
-        # One row (M = 1), one column tile per program: y[tile] = a @ W[tile].T, where a is x, the
-        # RMSNorm of x (+ residual) or SiLU(gate) * up (`_activation`, the fma kernel's rounding points).
-        # The weight tiles [BLOCK_N, BLOCK_K] come by TMA (``w_desc``, out-of-range rows and columns
-        # read as zeros) through a STAGES-deep shared-memory ring that Triton's pipeliner keeps full,
-        # so the bytes in flight cost no registers. kernels/pdl.py: the next kernel is let in at entry
-        # (LATE_TRIGGER: after the K loop); this one waits before any memory access.
-        pid = tl.program_id(0)
-        if not LATE_TRIGGER:
-            pdl_trigger(USE_PDL)
-        pdl_wait(USE_PDL)
-        rows = tl.zeros([1], dtype=tl.int64)
-        rstd = tl.zeros([1], dtype=tl.float32)
-        if PROLOGUE == 1 and NORM_PAD > 0:  # the row's mean square in one load (K <= NORM_PAD)
-            offs_r = tl.arange(0, NORM_PAD)
-            r_ok = offs_r < K
-            h = tl.load(x_ptr + offs_r, mask=r_ok, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(res_ptr + offs_r, mask=r_ok, other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-                if pid == 0:
-                    tl.store(h_ptr + offs_r, h, mask=r_ok)
-            hf = h.to(tl.float32)
-            rstd += tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-        elif PROLOGUE == 1:  # K-tile loop
-            sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < K
-                h = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0)
-                if HAS_RESIDUAL:
-                    r = tl.load(res_ptr + offs_k, mask=k_ok, other=0.0)
-                    h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
-                    if pid == 0:
-                        tl.store(h_ptr + offs_k, h, mask=k_ok)
-                hf = h.to(tl.float32)
-                sumsq += hf * hf
-            rstd += tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
-        arange_k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            w = w_desc.load([pid * BLOCK_N, k0])
-            a = _activation(x_ptr, res_ptr, nw_ptr, rows, k0 + arange_k, rstd, 0, 0, K, PROLOGUE, HAS_RESIDUAL,
-                            EVEN_K)
-            acc += w.to(tl.float32) * a.to(tl.float32)
-        if LATE_TRIGGER:
-            pdl_trigger(USE_PDL)
-        out = tl.sum(acc, axis=1)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        if HAS_BIAS:
-            out += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_ok)
-
-
-def tma_enabled() -> bool:
-    """``KVPILOT_GEMV_TMA`` (default 1, read at each launch, so a CUDA graph keeps the value it was
-    captured with): 0 makes the launch tables skip their "tma" rows (the next row of the table runs)."""
-    return os.environ.get("KVPILOT_GEMV_TMA", "1") not in ("0", "false", "False", "no", "")
-
-
-@functools.lru_cache(maxsize=None)
-def _tma_device(device: torch.device) -> bool:
-    # TMA is sm_90+ (Hopper); the CPU interpreter emulates tensor descriptors.
-    if device.type != "cuda":
-        return envs.triton_interpret()
-    if torch.version.hip is not None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _tma_refusal(weight: torch.Tensor, m: int, cfg: dict) -> str:
-    # Why the "tma" kind cannot run this launch ("" when it can): a 2-D TMA descriptor of the weight
-    # needs a 16-byte aligned base and row stride, 16-bit elements and a block whose inner extent is
-    # at least 16 bytes; the kernel computes one row (M = 0 launches nothing).
-    es = weight.element_size()
-    if TensorDescriptor is None:
-        return "this Triton has no host-side TMA descriptors"
-    if not _tma_device(weight.device):
-        return f"TMA needs an sm_90+ CUDA device (or the interpreter), got {weight.device}"
-    if m > 1:
-        return f"the 'tma' kind computes M = 1 row, got {m}"
-    if es != 2 or weight.stride(1) != 1 or (weight.stride(0) * es) % 16 or weight.data_ptr() % 16:
-        return (f"TMA needs a 16-bit weight with a 16-byte aligned base and row stride, got {weight.dtype}, "
-                f"strides {weight.stride()}, base % 16 = {weight.data_ptr() % 16}")
-    if cfg["block_k"] * es < 16 or cfg["block_k"] > _TMA_MAX_BLOCK_K:
-        return f"TMA needs block_k * element size >= 16 bytes and block_k <= {_TMA_MAX_BLOCK_K}"
-    return ""
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -753,11 +631,6 @@ def _launch(
         bias = bias.contiguous()  # the kernel reads bias[n] at b_ptr + n
     m, n = x.shape[0], weight.shape[0]
     cfg = _check_config(config) if config else gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue])
-    refusal = _tma_refusal(weight, m, cfg) if cfg.get("tma") else ""
-    if cfg.get("tma") and (refusal or not (config or tma_enabled())):
-        if config:
-            raise ValueError(f"cannot run this 'tma' configuration: {refusal}")
-        cfg = gemv_config(max(m, 1), n, k, _PROLOGUE_NAMES[prologue], tma=False)
     if m > cfg["block_m"]:
         raise ValueError(f"{m} rows exceed the launch configuration's block_m={cfg['block_m']}")
     # The kernel accumulates in fp32 and rounds only in its store, to y's dtype.
@@ -770,9 +643,6 @@ def _launch(
     if nw.stride(-1) != 1:
         nw = nw.contiguous()
     hh = h if h is not None else y
-    if cfg.get("tma"):
-        _launch_tma(prologue, x, k, weight, bias, res, nw, hh, y, residual is not None, eps, cfg)
-        return y, h
     tiles = triton.cdiv(n, cfg["block_n"])
     grid = (tiles if not cfg.get("programs_per_sm") else min(tiles, cfg["programs_per_sm"] * _sm_count(x.device)),)
     interpret = envs.triton_interpret()
@@ -797,24 +667,6 @@ def _launch(
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_options(pdl),
     )  # fmt: skip
     return y, h
-
-
-def _launch_tma(prologue, x, k, weight, bias, res, nw, hh, y, has_residual, eps, cfg) -> None:
-    n = weight.shape[0]
-    norm_pad = triton.next_power_of_2(k) if prologue == _RMSNORM else 0
-    if norm_pad > NORM_ONE_LOAD_MAX:  # as the fma kernel: larger rows keep the K-tile loop
-        norm_pad = 0
-    # A descriptor per launch (cheap; inside a CUDA graph only at capture): caching one would keep
-    # the weight alive.
-    desc = TensorDescriptor.from_tensor(weight, block_shape=[cfg["block_n"], cfg["block_k"]])
-    pdl = pdl_mode(x.device, 1)
-    _gemv_tma_kernel[(triton.cdiv(n, cfg["block_n"]),)](
-        x, res, nw, desc, bias if bias is not None else weight, y, hh, float(eps), n, k,
-        PROLOGUE=prologue, HAS_RESIDUAL=has_residual, HAS_BIAS=bias is not None, EVEN_K=k % cfg["block_k"] == 0,
-        BLOCK_N=cfg["block_n"], BLOCK_K=cfg["block_k"], STAGES=cfg["num_stages"], NORM_PAD=norm_pad,
-        USE_PDL=pdl > 0, LATE_TRIGGER=bool(cfg.get("late_trigger")), num_warps=cfg["num_warps"],
-        **launch_options(pdl),
-    )  # fmt: skip
 
 
 def gemv_triton(

@@ -16,18 +16,16 @@ memory another kernel writes or reads. A kernel that never calls ``gdc_wait`` mu
 with PDL; a kernel launched without PDL that calls it does not wait (the instruction returns at
 once).
 
-``KVPILOT_PDL`` (read at each launch, so a CUDA graph keeps the value it was captured with): on by
-default for launches of at most ``PDL_MAX_ROWS`` tokens or sequences (decode at small batch, where
-the gaps between kernels are a measurable share of a step: batch-1 ITL 4.566 -> 4.461 ms on an
-H200, BENCHMARKS.md); 0 turns it off. Only on Hopper (compute capability 9.x, not
-ROCm), never under the CPU interpreter, and not when this Triton has no ``gdc_wait`` or
-``launch_pdl``.
+PDL is used for launches of at most ``PDL_MAX_ROWS`` tokens or sequences (decode at small batch,
+where the gaps between kernels are a measurable share of a step: batch-1 ITL 4.566 -> 4.461 ms on
+an H200, BENCHMARKS.md). Only on Hopper (compute capability 9.x, not ROCm), never under the CPU
+interpreter, and not when this Triton has no ``gdc_wait`` or ``launch_pdl``. Tests that compare a
+chain with and without PDL replace `pdl_mode` in the kernel modules (tests/support/pdl.py).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -59,11 +57,11 @@ PDL_MAX_ROWS = 8
 
 
 def pdl_mode(device: torch.device, rows: int) -> int:
-    """1 when a launch of ``rows`` tokens or sequences on ``device`` uses PDL, else 0
-    (``KVPILOT_PDL``, module docstring)."""
+    """1 when a launch of ``rows`` tokens or sequences on ``device`` uses PDL, else 0 (module
+    docstring)."""
     if rows > PDL_MAX_ROWS or device.type != "cuda" or not HAS_GDC:
         return 0
-    if os.environ.get("KVPILOT_PDL", "1") in ("0", "false", "False", "no") or envs.triton_interpret():
+    if envs.triton_interpret():
         return 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     return 1 if _capable(index) else 0

@@ -65,7 +65,6 @@ huge top-k with a small top-p), or that the pivot path did not settle within its
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -925,7 +924,7 @@ def _carve(sizes: list[int], dtype: torch.dtype, dev: torch.device) -> list[torc
 
 
 def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_rows: torch.Tensor,
-         filt_rows: torch.Tensor, n_pivot: Optional[int] = None) -> torch.Tensor:
+         filt_rows: torch.Tensor, n_pivot: Optional[int] = None, check: bool = False) -> torch.Tensor:
     """Choose one token per row of ``logits`` (see the module docstring and engine/sampling/sampler.py).
 
     Args:
@@ -939,6 +938,9 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
             only); they take the pivot path (module docstring), the others the window path. None:
             draw finds them itself, at the cost of one device->host read (the engine passes it).
             A row with top_k > 0 among the last n_pivot is not mis-drawn: it comes back as -1.
+        check: the pivot kernels clamp every index they compute to its buffer and record the
+            ones that were outside; `draw` then raises RuntimeError with the records (a
+            diagnostic, `kvpilot.tuning.Tuning.sampling_check`).
     Returns:
         [S] int64 token ids on the logits' device; -1 where a filtered row needs the exact
         reference; rows in neither list are left uninitialised.
@@ -994,7 +996,7 @@ def draw(logits: torch.Tensor, fprm: torch.Tensor, iprm: torch.Tensor, plain_row
         grid = (NV, NS)
         mblock = min(cfg["pivot_block"], chunk)  # M passes
         cblock = min(cfg["pivot_cblock"], chunk)  # passes that find candidates ([levels, block] registers)
-        check = os.environ.get("KVPILOT_SAMPLING_CHECK") == "1"
+        check = bool(check)
         dbg = torch.zeros(NV * NS * 8 if check else 1, dtype=torch.int32, device=dev)
         _pivot_first_kernel[grid](logits, stride, V, piv_rows, fprm, iprm, vpmax, vcy, vci, vstates, NS, dbg, S,
                                   CHUNK=chunk, BLOCK=mblock, CHECK=check, num_warps=4)

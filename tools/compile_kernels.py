@@ -301,9 +301,7 @@ def _patch_gpu_paths() -> None:
 
     - ``attention_common._device_sms`` returns 4 for CPU tensors (so the interpreter tests exercise the
       split path); the split heuristics (``NUM_SPLITS`` constexpr) need the H200's 132 SMs.
-    - ``gemv._sm_count`` likewise (it only sizes the persistent grid, not a constexpr), and
-      ``gemv._tma_device`` (the "tma" launch rows need an sm_90 device; on CPU tensors they would
-      fall back to their fma rows).
+    - ``gemv._sm_count`` likewise (it only sizes the persistent grid, not a constexpr).
     Constexprs derived from the device itself are forced in ``_compile_only`` (``GPU_CONSTEXPRS``).
     """
     from kvpilot.kernels import attention, gemv
@@ -311,7 +309,6 @@ def _patch_gpu_paths() -> None:
 
     attention_common._device_sms = lambda device: H200_SMS
     gemv._sm_count = lambda device: H200_SMS
-    gemv._tma_device = lambda device: True
 
 
 # ---- cases: the wrappers, called as the engine calls them on the GPU ----------------------------
@@ -446,27 +443,6 @@ def _gemv(sh: Shard, m):
         G.gemv_triton(a_o, w_o, out_dtype=torch.float32)
         G.silu_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down, out_dtype=torch.float32)
         G.gelu_tanh_mul_gemv_triton(torch.empty(m, 2 * sh.inter, dtype=BF16), w_down)  # GeGLU down_proj
-
-    return case
-
-
-def _gemv_tma():
-    """The "tma" GEMV kind (no launch-table row uses it: configurations passed explicitly, as
-    benchmarks/lab/gpu_gemv_tma.py does) for Llama-3.1-8B's gate/up, QKV, down and o_proj at M = 1."""
-    def case():
-        from kvpilot.kernels import gemv as G
-
-        x = torch.empty(1, HIDDEN, dtype=BF16)
-        nw = torch.empty(HIDDEN, dtype=BF16)
-        cfg = G.launch_config("tma", 1, 16, 256, num_stages=4, late_trigger=True)
-        G.rmsnorm_gemv_triton(x, torch.empty_like(x), nw, EPS, torch.empty(2 * INTER, HIDDEN, dtype=BF16), config=cfg)
-        G.rmsnorm_gemv_triton(x, None, nw, EPS, torch.empty(6144, HIDDEN, dtype=BF16), config=cfg)
-        G.silu_mul_gemv_triton(torch.empty(1, 2 * INTER, dtype=BF16), torch.empty(HIDDEN, INTER, dtype=BF16),
-                               config=G.launch_config("tma", 1, 8, 512, num_stages=4))
-        G.gelu_tanh_mul_gemv_triton(torch.empty(1, 2 * INTER, dtype=BF16), torch.empty(HIDDEN, INTER, dtype=BF16),
-                                    config=G.launch_config("tma", 1, 8, 512, num_stages=4))
-        G.gemv_triton(x, torch.empty(HIDDEN, HIDDEN, dtype=BF16), torch.empty(HIDDEN, dtype=BF16), config=cfg,
-                      out_dtype=torch.float32)
 
     return case
 
@@ -674,7 +650,6 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("tp=8 gemv M=1", _gemv(tp8, 1)))
     # The batch-1 decode chain with programmatic dependent launch (kernels/pdl.py, on by default).
     out.append(("pdl=1 gemv M=1", _with_pdl(1, _gemv(one, 1))))
-    out.append(("pdl=1 gemv tma M=1", _with_pdl(1, _gemv_tma())))
     out.append(("pdl=1 attention decode fp8 kv, split", _with_pdl(1, _attention(one, [1], [3999], torch.float8_e4m3fn))))
     out.append(("pdl=1 rotary+kv write fp8 kv, 1 token", _with_pdl(1, _rotary_write(one, 1, torch.float8_e4m3fn))))
     out.append(("pdl=1 rotary+decode fp8 kv, split", _with_pdl(1, _rotary_decode(one, [3999], torch.float8_e4m3fn))))

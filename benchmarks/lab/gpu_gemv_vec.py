@@ -65,9 +65,8 @@ C = G.launch_config
 
 
 def fma_config(n: int, k: int, prologue: str) -> dict:
-    """``gemv_config(1, n, k, prologue)`` without the "tma" rows: this script tunes the fma/``vec`` rows
-    (the TMA rows, tuned by gpu_gemv_tma.py, run ahead of them where they apply)."""
-    return G.gemv_config(1, n, k, prologue, tma=False)
+    """``gemv_config(1, n, k, prologue)``: the fma/``vec`` row this script tunes."""
+    return G.gemv_config(1, n, k, prologue)
 
 
 def _fma_row(prologue: str, n: int, k: int) -> int:
@@ -296,9 +295,8 @@ def propose_rows(prologue: str, wanted: list[tuple[str, int, int, dict, bool]]):
 
 
 def table_with(prologue: str, m1_rows: list) -> list:
-    """``CONFIGS[prologue]`` with its M = 1 fma rows replaced by ``m1_rows`` (its "tma" rows kept first)."""
-    tma = [r for r in G.CONFIGS[prologue] if r[0] == 1 and r[2].get("tma")]
-    return tma + list(m1_rows) + [r for r in G.CONFIGS[prologue] if r[0] > 1]
+    """``CONFIGS[prologue]`` with its M = 1 rows replaced by ``m1_rows``."""
+    return list(m1_rows) + [r for r in G.CONFIGS[prologue] if r[0] > 1]
 
 
 def config_under(prologue: str, rows: list, n: int, k: int) -> dict:

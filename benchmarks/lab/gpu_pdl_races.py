@@ -20,7 +20,7 @@ Triton cache)::
    caught, or the harness proves nothing (PDL not in effect): exit 3.
 2. **Trigger placement** (performance; ``--skip-chain`` skips it). ``--layers`` Llama-3.1-8B
    decoder layers at batch 1 (fused GEMV path, context 4096, one CUDA graph, random weights), in
-   one subprocess per mode: ``off`` (KVPILOT_PDL=0), ``trigger_first`` (today's ``pdl_enter``:
+   one subprocess per mode: ``off`` (no launch uses PDL), ``trigger_first`` (today's ``pdl_enter``:
    launch_dependents then wait), ``wait_first`` (wait then launch_dependents: at most one kernel
    waits at a time), ``no_trigger`` (wait only: the successor launches when this kernel ends),
    then ``off`` again (drift). Prints us per layer; every mode's output must equal ``off``'s bits.
@@ -314,8 +314,11 @@ def _pdl_enter_no_trigger(USE_PDL: tl.constexpr):
 def chain_worker(mode: str, layers: int, out_path: str) -> None:
     """One mode of part 2, in its own process (the kernels' ``pdl_enter`` is swapped before they
     first compile). Writes {"us_per_layer": ...} and the final hidden state to ``out_path``."""
-    os.environ["KVPILOT_PDL"] = "0" if mode == "off" else "1"
-    os.environ["KVPILOT_FUSED_GEMV"] = "1"
+    if mode == "off":  # every kernel module's launch rule: no PDL
+        from kvpilot.kernels import allreduce, decode_attention, fused_decode_attention, kv_cache, pointwise  # noqa: F401
+        for name, mod in list(sys.modules.items()):
+            if name.startswith("kvpilot.kernels") and getattr(mod, "pdl_mode", None) is pdl.pdl_mode:
+                mod.pdl_mode = lambda device, rows: 0
     if mode in ("wait_first", "no_trigger"):
         from kvpilot.kernels import attention, kv_cache, pointwise
 
@@ -412,7 +415,6 @@ def main() -> None:
     if not (torch.cuda.is_available() and pdl.HAS_GDC and torch.cuda.get_device_capability()[0] >= 9):
         print("SKIP: needs a Hopper-or-newer GPU and a Triton with gdc_wait/launch_pdl")
         sys.exit(0)
-    os.environ.pop("KVPILOT_PDL", None)  # default: on
     print(f"{torch.cuda.get_device_name()}, triton {triton.__version__}, torch {torch.__version__}; "
           f"late writer spins {args.delay_us:.0f} us; {args.trials} trials per case and mode")
     caught = negative_control(args.trials, args.delay_us)

@@ -62,12 +62,13 @@ class StepLog:
         return {"decode_only": part(dec), "with_prefill": part(mix)}
 
 
-def build(path: Path, kv_dtype: str, log: StepLog, max_batch_size: int = 512):
+def build(path: Path, kv_dtype: str, log: StepLog, max_batch_size: int = 512, tuning=None):
+    """The engine of these measurements; ``tuning``: a `kvpilot.tuning.Tuning` (default: the defaults)."""
     from kvpilot import LLM, KvCacheConfig
 
     t0 = time.perf_counter()
     llm = LLM(str(path), skip_tokenizer_init=True, max_batch_size=max_batch_size, max_num_tokens=8192, max_seq_len=32768 + 256,
-              kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.9, dtype=kv_dtype))
+              kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.9, dtype=kv_dtype), tuning=tuning)
     llm.add_stat_logger(log)
     return llm, time.perf_counter() - t0
 
@@ -81,7 +82,16 @@ def main() -> None:
     ap.add_argument("--kv-dtype", nargs="+", default=["auto"], help="KV cache dtypes to run throughput with")
     ap.add_argument("--out", default=None)
     ap.add_argument("--max-batch-size", type=int, default=512, help="the engine's max_batch_size (default 512)")
+    ap.add_argument("--tuning", default="", help="kvpilot.tuning.Tuning overrides, e.g. 'cuda_graphs=0' (default: none)")
+    ap.add_argument("--decode-tuning", default="", help="decode attention launch-table overrides (JSON object of "
+                    "kvpilot.kernels.attention_common.TUNING['decode'] entries, e.g. '{\"batch_tma_fp8\": false}')")
     args = ap.parse_args()
+    from kvpilot.kernels.attention_common import TUNING, decode_tuning_from_json
+    from kvpilot.tuning import parse_overrides
+
+    tuning = parse_overrides(args.tuning)
+    if args.decode_tuning:
+        TUNING["decode"].update(decode_tuning_from_json(args.decode_tuning))
     sections = set(args.sections.split(","))
 
     from kvpilot.tools.bench_offline import random_prompts, run_latency, run_throughput
@@ -100,7 +110,7 @@ def main() -> None:
 
     for i, kv_dtype in enumerate(args.kv_dtype):
         log = StepLog()
-        llm, load_s = build(path, kv_dtype, log, args.max_batch_size)
+        llm, load_s = build(path, kv_dtype, log, args.max_batch_size, tuning)
         runner = llm._executor
         cfg = LLAMA31_8B
         per_tok = runner.bytes_per_block // runner.block_size

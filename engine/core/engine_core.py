@@ -82,7 +82,6 @@ each token in the step that read it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -100,26 +99,13 @@ from kvpilot.sampling.sampler_inputs import Upload
 from kvpilot.core.scheduler import Scheduler, SchedulerOutput
 from kvpilot.core.sequence import Request, Sequence, SequenceStatus
 from kvpilot.core.stats import FinishedRequestStats, IterationStats, KvCacheStats
+from kvpilot.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
 _FINISHED = SequenceStatus.FINISHED
 _PLACEHOLDER = [0]  # the input id of an in-flight row until the device writes the real one
 _NO_SEQS: frozenset = frozenset()
-
-
-def async_output_enabled() -> bool:
-    """``KVPILOT_ASYNC_OUTPUT`` (default 1): 0 runs each token's output work in the step that sampled it."""
-    return os.environ.get("KVPILOT_ASYNC_OUTPUT", "1") not in ("0", "false", "False", "no")
-
-
-def async_scheduling_enabled(default: bool) -> bool:
-    """``KVPILOT_ASYNC_SCHEDULING``: 1 or 0 forces async scheduling on or off; unset (or empty) gives
-    ``default`` (the engine passes True on CUDA, False on CPU)."""
-    raw = os.environ.get("KVPILOT_ASYNC_SCHEDULING", "")
-    if raw == "":
-        return default
-    return raw not in ("0", "false", "False", "no")
 
 
 @dataclass(slots=True)
@@ -186,9 +172,10 @@ class EngineCore:
         tokenizer: a Hugging Face tokenizer, or None (then no text is produced).
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
         async_output: overlap each step's output work with the next step's forward pass (see the
-            module docstring); None reads ``KVPILOT_ASYNC_OUTPUT``. May be changed between steps.
+            module docstring); None takes ``tuning.async_output``. May be changed between steps.
         async_scheduling: plan step N+1 before reading step N's tokens (module docstring); None
-            reads ``KVPILOT_ASYNC_SCHEDULING`` (default: on when the executor's ``device`` is CUDA).
+            takes ``tuning.async_scheduling``, and when that is None too: on when the executor's
+            ``device`` is CUDA.
             Takes effect only with an executor that has ``supports_async_scheduling``. May be
             changed between steps.
 
@@ -198,12 +185,16 @@ class EngineCore:
 
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
-                 async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None) -> None:
+                 async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None,
+                 tuning: Optional[Tuning] = None) -> None:
         self.executor = executor
-        self.async_output = async_output_enabled() if async_output is None else async_output
+        self.tuning = tuning = tuning or Tuning()
+        self.async_output = tuning.async_output if async_output is None else async_output
+        if async_scheduling is None:
+            async_scheduling = tuning.async_scheduling
         if async_scheduling is None:
             dev = getattr(executor, "device", None)
-            async_scheduling = async_scheduling_enabled(default=dev is not None and torch.device(dev).type == "cuda")
+            async_scheduling = dev is not None and torch.device(dev).type == "cuda"
         self.async_scheduling = async_scheduling
         # The executor returns a step's logits before they exist (a tensor-parallel executor's
         # asynchronous steps: module docstring).
@@ -217,7 +208,7 @@ class EngineCore:
         self.max_seq_len = max_seq_len
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
         self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
-        self.sampler = Sampler()
+        self.sampler = Sampler("auto" if tuning.triton_sampler else "torch", check=tuning.sampling_check)
         self.beam_search = BeamSearch(self)  # use_beam_search requests
         self._context_logits: dict[int, list[torch.Tensor]] = {}  # return_context_logits
         self.requests: dict[int, Request] = {}

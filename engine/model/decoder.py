@@ -30,12 +30,11 @@ from torch import nn
 from kvpilot.kernels import gemv as KG
 from kvpilot.model.attention import Attention, AttentionOptions
 from kvpilot.model.config import ModelConfig
-from kvpilot.model.layers import (AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding,
-                                  fused_gemv_enabled, tp_reduce_fp32_enabled)
+from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding
 from kvpilot.model.mlp import GatedMLP
 from kvpilot.model.quantization import QuantizationMethod, get_quantization_method
 from kvpilot.model.rotary import RotaryEmbedding, rope_parameters
-from kvpilot.model.tp_invariant import tp_invariant_size
+from kvpilot.tuning import Tuning
 
 
 class FamilySpec:
@@ -120,12 +119,11 @@ class DecoderLayer(nn.Module):
     decode fast path where the layer allows it (module docstring); a plain attribute.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, fused_gemv: Optional[bool] = None,
-                 reduce_fp32: Optional[bool] = None, spec: Optional[FamilySpec] = None,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, fused_gemv: bool = True,
+                 reduce_fp32: bool = False, spec: Optional[FamilySpec] = None,
                  quant_method: Optional[QuantizationMethod] = None) -> None:
         super().__init__()
         spec = spec or FamilySpec(cfg)
-        reduce_fp32 = tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32
         self.layer_idx = layer_idx
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                                    layer_idx, pc, spec.attention_options(layer_idx), cfg.rms_norm_eps, reduce_fp32,
@@ -138,7 +136,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
-        self.fused_gemv = fused_gemv_enabled() if fused_gemv is None else fused_gemv
+        self.fused_gemv = fused_gemv
         self.can_fuse = (not self.sandwich and getattr(self.mlp, "fusable", False)
                          and self.self_attn.qkv_proj.quant_method.supports_fused_gemv)
 
@@ -184,7 +182,7 @@ class CausalLM(nn.Module):
 
     Raises:
         ValueError: a tensor-parallel size the model does not split into; a quantization scheme,
-            activation or rope type the engine lacks; ``KVPILOT_TP_INVARIANT`` for a family without
+            activation or rope type the engine lacks; ``Tuning.tp_invariant`` for a family without
             shard layers.
     """
 
@@ -192,24 +190,25 @@ class CausalLM(nn.Module):
     decoder_layer_cls: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, pc: Optional[ParallelContext] = None,
-                 layer_range: Optional[tuple[int, int]] = None) -> None:
+                 layer_range: Optional[tuple[int, int]] = None, tuning: Optional[Tuning] = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tuning = tuning = tuning or Tuning()
         self.pc = pc or ParallelContext()
         self.spec = self.spec_cls(cfg)
         self.layer_range = layer_range or (0, cfg.num_hidden_layers)
         start, end = self.layer_range
         self.is_first = start == 0
         self.is_last = end == cfg.num_hidden_layers
-        self.fused_gemv = fused_gemv_enabled()  # read once: KVPILOT_FUSED_GEMV
+        self.fused_gemv = tuning.fused_gemv
         self.tp_invariant = 0
         self.invariant_shards = 0
         self.lm_head_shards = None
-        self.tp_reduce_fp32 = tp_reduce_fp32_enabled()  # read once: KVPILOT_TP_REDUCE_FP32
+        self.tp_reduce_fp32 = tuning.tp_reduce_fp32
         self.quant_method = get_quantization_method(cfg.raw)
-        if not self.spec.supports_tp_invariant and tp_invariant_size():
-            raise ValueError(f"KVPILOT_TP_INVARIANT has shard layers for Llama only, not {cfg.architecture}; "
-                             f"unset it for this model")
+        if not self.spec.supports_tp_invariant and tuning.tp_invariant:
+            raise ValueError(f"Tuning.tp_invariant has shard layers for Llama only, not {cfg.architecture}; "
+                             f"leave it 0 for this model")
         self._build_ends()
         self.layers = nn.ModuleList(self.build_layer(i) for i in range(start, end))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.spec.norm_offset) if self.is_last else None

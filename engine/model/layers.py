@@ -8,7 +8,6 @@ Shapes: the batch is *ragged*: all scheduled tokens of all sequences are concate
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,17 +16,6 @@ import torch.distributed as dist
 from torch import nn
 
 from kvpilot import kernels as K
-
-
-def fused_gemv_enabled() -> bool:
-    """``KVPILOT_FUSED_GEMV`` (default 1): 0 makes decoder layers call their projections unfused."""
-    return os.environ.get("KVPILOT_FUSED_GEMV", "1") not in ("0", "false", "False", "no")
-
-
-def tp_reduce_fp32_enabled() -> bool:
-    """``KVPILOT_TP_REDUCE_FP32`` (default 0): 1 sums row-parallel outputs across tensor-parallel
-    ranks in float32 and rounds once (module docstring); 0 sums rounded 16-bit partials."""
-    return os.environ.get("KVPILOT_TP_REDUCE_FP32", "0") not in ("0", "false", "False", "no", "")
 
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -57,11 +57,9 @@ import torch.distributed as dist  # noqa: F401  (the group ops ParallelContext c
 from kvpilot.model.attention import Attention, AttentionOptions
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.decoder import CausalLM, DecoderLayer, FamilySpec
-from kvpilot.model.layers import (AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding,  # noqa: F401
-                                  fused_gemv_enabled, tp_reduce_fp32_enabled)
+from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding  # noqa: F401
 from kvpilot.model.mlp import GatedMLP
-from kvpilot.model.tp_invariant import (InvariantDecoderLayer, InvariantTiedEmbedding, tp_invariant_shards,
-                                        tp_invariant_size)
+from kvpilot.model.tp_invariant import InvariantDecoderLayer, InvariantTiedEmbedding, tp_invariant_shards
 
 
 class LlamaSpec(FamilySpec):
@@ -75,29 +73,27 @@ class LlamaSpec(FamilySpec):
 
 class LlamaAttention(Attention):
     """`Attention` with a Llama config's shapes: q/k/v and ``o_proj`` biases per ``attention_bias``;
-    ``reduce_fp32`` (default: ``KVPILOT_TP_REDUCE_FP32``) is `ParallelContext.row_parallel`'s switch."""
+    ``reduce_fp32`` (`Tuning.tp_reduce_fp32`) is `ParallelContext.row_parallel`'s switch."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext,
-                 reduce_fp32: Optional[bool] = None) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, reduce_fp32: bool = False) -> None:
         super().__init__(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, layer_idx,
                          pc, AttentionOptions(qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias),
-                         cfg.rms_norm_eps, tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32)
+                         cfg.rms_norm_eps, reduce_fp32)
 
 
 class LlamaMLP(GatedMLP):
     """SwiGLU `GatedMLP` with a Llama config's shapes (biases per ``mlp_bias``)."""
 
-    def __init__(self, cfg: ModelConfig, pc: ParallelContext, reduce_fp32: Optional[bool] = None) -> None:
-        super().__init__(cfg.hidden_size, cfg.intermediate_size, pc, cfg.mlp_bias, "silu",
-                         tp_reduce_fp32_enabled() if reduce_fp32 is None else reduce_fp32)
+    def __init__(self, cfg: ModelConfig, pc: ParallelContext, reduce_fp32: bool = False) -> None:
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, pc, cfg.mlp_bias, "silu", reduce_fp32)
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    """`DecoderLayer` with `LlamaSpec` (pre-norm). ``fused_gemv`` (default: ``KVPILOT_FUSED_GEMV``),
-    ``reduce_fp32`` (default: ``KVPILOT_TP_REDUCE_FP32``): as there."""
+    """`DecoderLayer` with `LlamaSpec` (pre-norm). ``fused_gemv`` (`Tuning.fused_gemv`),
+    ``reduce_fp32`` (`Tuning.tp_reduce_fp32`): as there."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, fused_gemv: Optional[bool] = None,
-                 reduce_fp32: Optional[bool] = None, spec: Optional[FamilySpec] = None,
+    def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, fused_gemv: bool = True,
+                 reduce_fp32: bool = False, spec: Optional[FamilySpec] = None,
                  quant_method=None) -> None:
         super().__init__(cfg, layer_idx, pc, fused_gemv, reduce_fp32, spec or LlamaSpec(cfg), quant_method)
 
@@ -105,14 +101,14 @@ class LlamaDecoderLayer(DecoderLayer):
 class LlamaForCausalLM(CausalLM):
     """Llama decoder over a paged KV cache (`CausalLM`), with the tensor-parallel-invariant mode.
 
-    ``tp_invariant`` (``KVPILOT_TP_INVARIANT``, read once here; 0 = off) and ``invariant_shards``
+    ``tp_invariant`` (`Tuning.tp_invariant`; 0 = off) and ``invariant_shards``
     (shards per rank when the layers are `tp_invariant.InvariantDecoderLayer`s, else 0).
     ``lm_head_shards``: the per-shard LM head matrices when a rank holds several shards, else None
     (with tied embeddings on a stage that also embeds, ``embed_tokens`` reads its rows from them:
     `tp_invariant.InvariantTiedEmbedding`).
 
     Raises:
-        ValueError: a tensor-parallel size or ``KVPILOT_TP_INVARIANT`` the model does not split into.
+        ValueError: a tensor-parallel size or ``Tuning.tp_invariant`` the model does not split into.
     """
 
     spec_cls = LlamaSpec
@@ -120,12 +116,12 @@ class LlamaForCausalLM(CausalLM):
 
     def _build_ends(self) -> None:
         cfg = self.cfg
-        self.tp_invariant = T = tp_invariant_size()  # read once: KVPILOT_TP_INVARIANT
+        self.tp_invariant = T = self.tuning.tp_invariant
         s = tp_invariant_shards(cfg, self.pc.tp_size, T) if T else 0
         # One shard per rank at TP <= 2 is the default model (t = T = 2: the two-rank all-reduce is
         # the invariant sum); otherwise the shard layers.
         self.invariant_shards = s if s > 1 or self.pc.tp_size > 2 else 0
-        # KVPILOT_TP_REDUCE_FP32 is ignored in tensor-parallel-invariant mode
+        # Tuning.tp_reduce_fp32 is ignored in tensor-parallel-invariant mode
         self.tp_reduce_fp32 = self.tp_reduce_fp32 and not T
         lm_shards = self.is_last and s > 1
         if lm_shards:  # a TP-T rank's padded [ceil(V / T), hidden] matrix per shard (registered first: names)

@@ -49,7 +49,6 @@ Validation: `check_tp_invariant` (the front end, before any worker starts) and
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -59,26 +58,7 @@ from torch import nn
 from kvpilot import kernels as K
 from kvpilot.model.config import ModelConfig
 from kvpilot.kernels import gemv as KG
-from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm, fused_gemv_enabled
-
-
-def tp_invariant_size() -> int:
-    """``KVPILOT_TP_INVARIANT`` (default 0 = off): the TP size ``T`` whose decomposition every
-    layout computes (module docstring).
-
-    Raises:
-        ValueError: the value is not a non-negative integer.
-    """
-    raw = os.environ.get("KVPILOT_TP_INVARIANT", "").strip()
-    if raw == "":
-        return 0
-    try:
-        size = int(raw)
-    except ValueError:
-        raise ValueError(f"KVPILOT_TP_INVARIANT must be a non-negative integer (0 = off), got {raw!r}") from None
-    if size < 0:
-        raise ValueError(f"KVPILOT_TP_INVARIANT must be a non-negative integer (0 = off), got {raw!r}")
-    return size
+from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm
 
 
 def tp_invariant_shards(cfg: ModelConfig, tp_size: int, invariant_size: int) -> int:
@@ -91,23 +71,24 @@ def tp_invariant_shards(cfg: ModelConfig, tp_size: int, invariant_size: int) -> 
     """
     T = invariant_size
     if T < 1 or T % tp_size:
-        raise ValueError(f"KVPILOT_TP_INVARIANT={T} must be a multiple of tensor_parallel_size {tp_size}")
+        raise ValueError(f"Tuning.tp_invariant={T} must be a multiple of tensor_parallel_size {tp_size}")
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         n = getattr(cfg, name)
         if n % T:
-            raise ValueError(f"KVPILOT_TP_INVARIANT={T} must divide {name} {n}")
+            raise ValueError(f"Tuning.tp_invariant={T} must divide {name} {n}")
     return T // tp_size
 
 
-def check_tp_invariant(cfg: ModelConfig, tp_size: int) -> int:
-    """Validate ``KVPILOT_TP_INVARIANT`` for a model ``cfg`` at ``tensor_parallel_size`` ``tp_size``
-    where the model is not built (a parallel front end, before its workers start, so a bad value
-    fails as it fails on one GPU instead of in every worker). Returns ``T`` (0 = off).
+def check_tp_invariant(cfg: ModelConfig, tp_size: int, invariant_size: int) -> int:
+    """Validate ``invariant_size`` ``T`` (`Tuning.tp_invariant`) for a model ``cfg`` at
+    ``tensor_parallel_size`` ``tp_size`` where the model is not built (a parallel front end, before
+    its workers start, so a bad value fails as it fails on one GPU instead of in every worker).
+    Returns ``T`` (0 = off).
 
     Raises:
-        ValueError: as `tp_invariant_size` and `tp_invariant_shards`.
+        ValueError: as `tp_invariant_shards`.
     """
-    T = tp_invariant_size()
+    T = invariant_size
     if T:
         tp_invariant_shards(cfg, tp_size, T)
     return T
@@ -298,13 +279,13 @@ class InvariantDecoderLayer(nn.Module):
     contract, ``fused_gemv`` likewise; every sharded op runs per shard."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, pc: ParallelContext, invariant_size: int,
-                 fused_gemv: Optional[bool] = None) -> None:
+                 fused_gemv: bool = True) -> None:
         super().__init__()
         self.self_attn = InvariantAttention(cfg, layer_idx, pc, invariant_size)
         self.mlp = InvariantMLP(cfg, pc, invariant_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fused_gemv = fused_gemv_enabled() if fused_gemv is None else fused_gemv
+        self.fused_gemv = fused_gemv
 
     def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
         attn, mlp = self.self_attn, self.mlp

@@ -39,7 +39,6 @@ Switches (read once, at set-up):
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -55,26 +54,13 @@ DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_BYTES = 512 << 20
 
 
-def custom_all_reduce_enabled() -> bool:
-    """``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1; module docstring)."""
-    return os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE", "1") not in ("0", "false", "False", "no", "")
-
-
-def custom_all_reduce_max_tokens(num_sites: int = 1, hidden_size: int = 1) -> int:
-    """``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``, or by default `DEFAULT_MAX_TOKENS` capped so that
-    ``num_sites`` float32 buffers of ``hidden_size``-element tokens stay within `DEFAULT_MAX_BYTES`
-    (at least 1). Raises ``ValueError`` unless the variable is a positive integer."""
-    raw = os.environ.get("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS")
-    if raw is None:
-        return max(1, min(DEFAULT_MAX_TOKENS, DEFAULT_MAX_BYTES // (4 * max(1, num_sites * hidden_size))))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS must be a positive integer, got {raw!r} "
-                         "(unset it for the default; KVPILOT_TP_CUSTOM_ALLREDUCE=0 turns the kernel off)")
-    return value
+def custom_all_reduce_max_tokens(num_sites: int = 1, hidden_size: int = 1, max_tokens: Optional[int] = None) -> int:
+    """``max_tokens`` (`Tuning.tp_custom_allreduce_max_tokens`), or by default `DEFAULT_MAX_TOKENS`
+    capped so that ``num_sites`` float32 buffers of ``hidden_size``-element tokens stay within
+    `DEFAULT_MAX_BYTES` (at least 1)."""
+    if max_tokens is not None:
+        return max_tokens
+    return max(1, min(DEFAULT_MAX_TOKENS, DEFAULT_MAX_BYTES // (4 * max(1, num_sites * hidden_size))))
 
 
 def _exchange(group, tp_rank: int, device: torch.device, values: list[int]) -> list[list[int]]:
@@ -119,28 +105,25 @@ class CustomAllReduce:
 
     @classmethod
     def create(cls, group, tp_rank: int, tp_size: int, device: torch.device, num_sites: int,
-               hidden_size: int) -> Optional["CustomAllReduce"]:
+               hidden_size: int, enabled: bool = True, max_tokens: Optional[int] = None) -> Optional["CustomAllReduce"]:
         """Collective over ``group`` (every rank calls it, in the same order as its other
         collectives): the buffers of ``num_sites`` call sites of up to
         `custom_all_reduce_max_tokens` x ``hidden_size`` elements, or None where any rank cannot
         (module docstring). With ``tp_size == 2`` on CUDA every rank makes the same three small
         all-reduces over ``group`` (switches and device, local set-up, rendezvous) whatever its
-        own outcome, so no rank is left waiting in one.
-
-        Raises:
-            ValueError: a bad ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` (read only when enabled; on
-                every rank alike, before any collective).
+        own outcome, so no rank is left waiting in one. ``enabled`` (`Tuning.tp_custom_allreduce`)
+        False on a rank keeps NCCL on both; ``max_tokens``: `custom_all_reduce_max_tokens`'s.
         """
         device = torch.device(device)
         if tp_size != 2 or device.type != "cuda":
             return None  # the same on every rank: the layout and device come from one spec
-        enabled = custom_all_reduce_enabled() and torch.version.hip is None
-        numel = custom_all_reduce_max_tokens(num_sites, hidden_size) * hidden_size if enabled else 0
+        enabled = enabled and torch.version.hip is None
+        numel = custom_all_reduce_max_tokens(num_sites, hidden_size, max_tokens) * hidden_size if enabled else 0
         index = device.index if device.index is not None else torch.cuda.current_device()
         # 1. Both ranks' switches, sizes and GPUs.
         rows = _exchange(group, tp_rank, device, [int(enabled), numel, index])
         if not all(r[0] for r in rows):
-            logger.info("tp rank %d: one-shot all-reduce off on tp rank(s) %s (KVPILOT_TP_CUSTOM_ALLREDUCE=0, or "
+            logger.info("tp rank %d: one-shot all-reduce off on tp rank(s) %s (Tuning.tp_custom_allreduce False, or "
                         "ROCm); NCCL sums every all-reduce", tp_rank, [i for i, r in enumerate(rows) if not r[0]])
             return None
         numel = min(r[1] for r in rows)

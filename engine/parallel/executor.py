@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import pickle
 import socket
 import threading
@@ -56,11 +55,11 @@ from kvpilot import envs
 from kvpilot.config import KvCacheConfig
 
 from kvpilot.model.config import ModelConfig
-from kvpilot.parallel.custom_all_reduce import custom_all_reduce_enabled, custom_all_reduce_max_tokens
 from kvpilot.parallel.worker import (LOGITS_EVENT, LOGITS_PIPE, LOGITS_SYNC, MSG_ERROR, MSG_GO, MSG_IDS, MSG_OK,
                               MSG_READY, MSG_TIMING, SYNC_EVENT, SYNC_GO, SYNC_SELF, PlanEncoder, RowEncoder,
-                              StepTimer, WorkerSpec, pipe_spin_seconds, rank_sampling_enabled, spin_poll,
-                              stage_layers, step_timing_enabled, worker_main)
+                              StepTimer, WorkerSpec, pipe_spin_seconds, spin_poll, stage_layers,
+                              worker_main)
+from kvpilot.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +70,10 @@ _GUARD_HINT = ("kvpilot starts its tensor/pipeline-parallel workers with the 'sp
                "so that creating the LLM does not run again in the workers.")
 
 
-def tp_async_enabled() -> bool:
-    """``KVPILOT_TP_ASYNC`` (default 1): 0 keeps every tensor-parallel step settled (the front end
-    reads a step's tokens before it plans the next; `MultiprocExecutor.execute`)."""
-    return os.environ.get("KVPILOT_TP_ASYNC", "1") not in ("0", "false", "False", "no")
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
+WORKER_START_TIMEOUT_S = 1800.0
+"""Seconds the front end waits for every worker to load its shard and report ready."""
+STEP_TIMEOUT_MARGIN_S = 60.0
+"""A front-end step waits for the workers ``KVPILOT_DIST_TIMEOUT_S`` plus this long."""
 
 
 @dataclass(frozen=True)
@@ -110,12 +104,12 @@ class LwsGroup:
                    int(env.get("MASTER_PORT") or DEFAULT_MASTER_PORT))
 
 
-def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+def validate_layout(cfg: ModelConfig, tp: int, pp: int, tp_invariant: int = 0) -> None:
     """Check that the model splits into ``tp`` x ``pp`` shards (before any process starts).
 
     Raises:
-        ValueError: naming the dimension that does not split, or a ``KVPILOT_TP_INVARIANT`` the
-            layout cannot take (`tp_invariant.check_tp_invariant`).
+        ValueError: naming the dimension that does not split, or a ``tp_invariant``
+            (`Tuning.tp_invariant`) the layout cannot take (`tp_invariant.check_tp_invariant`).
     """
     if cfg.num_attention_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide num_attention_heads {cfg.num_attention_heads}")
@@ -124,9 +118,9 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
         raise ValueError(f"tensor_parallel_size {tp} must divide, or be a multiple of, num_key_value_heads {kv}")
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide intermediate_size {cfg.intermediate_size}")
-    from kvpilot.model.tp_invariant import check_tp_invariant  # KVPILOT_TP_INVARIANT, before any worker starts
+    from kvpilot.model.tp_invariant import check_tp_invariant  # before any worker starts
 
-    check_tp_invariant(cfg, tp)
+    check_tp_invariant(cfg, tp, tp_invariant)
     stage_layers(cfg.num_hidden_layers, pp)
 
 
@@ -160,15 +154,15 @@ def _free_port() -> int:
 
 def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                      max_batch_size: int, max_seq_len: int, device: str, dtype: str, tp: int, pp: int,
-                     group: Optional[LwsGroup]) -> WorkerSpec:
+                     group: Optional[LwsGroup], tuning: Optional[Tuning] = None) -> WorkerSpec:
     """The `WorkerSpec` every rank gets; on one node the rendezvous is a free localhost port.
+    ``tuning`` (default: the defaults) travels to every rank.
 
     Raises:
-        ValueError: a layout the model or the LWS group cannot take, too few GPUs, or a bad
-            ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` where the one-shot all-reduce would read it (TP 2
-            on CUDA, not ROCm, a whole TP group on each node, ``KVPILOT_TP_CUSTOM_ALLREDUCE`` not 0).
+        ValueError: a layout the model or the LWS group cannot take, or too few GPUs.
     """
-    validate_layout(cfg, tp, pp)
+    tuning = tuning or Tuning()
+    validate_layout(cfg, tp, pp, tuning.tp_invariant)
     dev = _resolve_device(device)
     world = tp * pp
     if group is not None:
@@ -179,16 +173,11 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
         per_node, init = world, f"tcp://127.0.0.1:{_free_port()}"
     if dev == "cuda" and torch.cuda.device_count() < per_node:
         raise ValueError(f"{per_node} ranks on this node need {per_node} GPUs; {torch.cuda.device_count()} visible")
-    if tp == 2 and dev == "cuda" and per_node % tp == 0 and torch.version.hip is None and custom_all_reduce_enabled():
-        # Where a worker would read it (`Worker`, `CustomAllReduce.create`): a bad value raises here,
-        # before any process starts, not in a worker.
-        custom_all_reduce_max_tokens()
     return WorkerSpec(
         model_dir=str(model_dir), cfg=cfg, kv_config=kv_config, max_num_tokens=max_num_tokens,
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=dev, dtype=dtype, tp_size=tp,
         pp_size=pp, init_method=init, ranks_per_node=per_node, multi_node=group is not None,
-        timeout_s=_env_float("KVPILOT_DIST_TIMEOUT_S", 600.0),
-        microbatching=os.environ.get("KVPILOT_PP_MICROBATCH", "1") != "0",
+        timeout_s=envs.dist_timeout_s(), tuning=tuning,
         log_level=logging.getLogger().getEffectiveLevel())
 
 
@@ -243,9 +232,9 @@ class MultiprocExecutor:
                                f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.executor.run_lws_worker")
         spec = make_worker_spec(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
                                 llm.max_batch_size, llm.max_seq_len, device, dtype, llm.tensor_parallel_size,
-                                llm.pipeline_parallel_size, group)
+                                llm.pipeline_parallel_size, group, llm.tuning)
         self.spec = spec
-        self._step_timeout = _env_float("KVPILOT_STEP_TIMEOUT_S", spec.timeout_s + 60.0)
+        self._step_timeout = spec.timeout_s + STEP_TIMEOUT_MARGIN_S
         t0 = time.perf_counter()
         self._procs, self._conns = _start_ranks(spec, range(spec.ranks_per_node), with_pipes=True)
         output_rank = (spec.pp_size - 1) * spec.tp_size
@@ -261,12 +250,12 @@ class MultiprocExecutor:
         self._logits_events: list = []  # the output rank's interprocess events, one per slot (LOGITS_EVENT)
         self._read_done = None  # recorded after the last clone out of the shared buffer
         self._encoder = PlanEncoder()
-        self._timer = StepTimer() if step_timing_enabled() else None
+        self._timer = StepTimer() if spec.tuning.step_timing else None
         self._last_return: Optional[float] = None
-        self._spin = pipe_spin_seconds(spec.device)
+        self._spin = pipe_spin_seconds(spec.device, spec.tuning)
         self._lock = threading.Lock()  # one exchange on the pipes at a time (steps, step_timing)
         self._go_sent = threading.Condition(self._lock)  # step_timing waits on it while a plan awaits its go
-        deadline = time.monotonic() + _env_float("KVPILOT_WORKER_START_TIMEOUT_S", 1800.0)
+        deadline = time.monotonic() + WORKER_START_TIMEOUT_S
         try:
             while len(blocks) < len(self._conns):
                 waiting = [c for i, c in enumerate(self._conns) if i not in blocks]
@@ -284,8 +273,8 @@ class MultiprocExecutor:
         # Every rank's tensor-parallel all-reduces, on every node, may use the one-shot kernel
         # (engine/parallel/custom_all_reduce.py; the workers agree on it, `parallel_worker.one_shot_everywhere`).
         self.one_shot_all_reduce = bool(one_shot) and all(one_shot)
-        # Asynchronous steps (`tp_async_enabled`; `execute`'s docstring).
-        self.defers_logits = (tp_async_enabled() and spec.pp_size == 1 and not spec.multi_node
+        # Asynchronous steps (`Tuning.tp_async`; `execute`'s docstring).
+        self.defers_logits = (spec.tuning.tp_async and spec.pp_size == 1 and not spec.multi_node
                               and (self.logits_mode == LOGITS_EVENT and self._tok_buf is not None
                                    or spec.device == "cpu"))
         self._sent: deque = deque()  # steps sent, not awaited: [rows, logits tensor, orphan, slot, own]
@@ -297,8 +286,8 @@ class MultiprocExecutor:
         # (seq_id, output position, `SamplingRow.record` bytes) per logits row for its own sampler;
         # whether the step's in-flight ids are the previous step's own ids, all in row order).
         self.own_ids_hint: tuple = (None, False)
-        # Whether the engine may give the output rank sampling rows (`rank_sampling_enabled`).
-        self.samples_on_output_rank = self.defers_logits and rank_sampling_enabled()
+        # Whether the engine may give the output rank sampling rows (`Tuning.tp_rank_sampling`).
+        self.samples_on_output_rank = self.defers_logits and spec.tuning.tp_rank_sampling
         self._rows = RowEncoder()
         self.num_self_steps = 0  # steps whose in-flight ids were the output rank's own (SYNC_SELF)
         self.num_rank_sampled_steps = 0  # steps whose ids the output rank drew with its sampler
@@ -904,11 +893,13 @@ class MultiprocExecutor:
 def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    max_batch_size: int = 256, max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                    kv_cache_config: Optional[KvCacheConfig] = None, device: str = "auto", dtype: str = "auto",
-                   group: Optional[LwsGroup] = None, revision: Optional[str] = None) -> int:
+                   group: Optional[LwsGroup] = None, revision: Optional[str] = None,
+                   tuning: Optional[Tuning] = None) -> int:
     """Run this pod's ranks of a LeaderWorkerSet group until the leader stops; returns an exit status.
 
     ``kvpilot serve`` calls this instead of building an `LLM` when ``LWS_WORKER_INDEX`` > 0. The
-    arguments must equal the leader's (the operator renders the same command for every pod).
+    arguments must equal the leader's (the operator renders the same command for every pod);
+    ``tuning`` defaults to `Tuning.from_env` as the leader's `LLM` does.
 
     Raises:
         ValueError: not in a LeaderWorkerSet group (or in it as the leader), or a bad layout.
@@ -922,7 +913,7 @@ def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_
     cfg = ModelConfig.from_dir(model_dir)
     spec = make_worker_spec(model_dir, cfg, kv_cache_config or KvCacheConfig(), max_num_tokens, max_batch_size,
                             int(max_seq_len or cfg.max_position_embeddings), device, dtype, tensor_parallel_size,
-                            pipeline_parallel_size, group)
+                            pipeline_parallel_size, group, tuning or Tuning.from_env())
     first = group.index * spec.ranks_per_node
     procs, _ = _start_ranks(spec, range(first, first + spec.ranks_per_node), with_pipes=False)
     logger.info("LeaderWorkerSet worker %d: ranks %d..%d started", group.index, first, first + len(procs) - 1)

@@ -44,7 +44,7 @@ import statistics
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -59,6 +59,7 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 from kvpilot.model.llama import ParallelContext
 from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq, prefill_padding
+from kvpilot.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -89,75 +90,53 @@ class StopRequested(Exception):
     """The front end stopped the engine while the output rank waited for a step's sampled ids."""
 
 
-def _env_flag(name: str, default: str = "1") -> bool:
-    return os.environ.get(name, default) not in ("0", "", "false", "False", "no")
-
-
-def rank_graphs_enabled(tp_size: int, pipelined: bool) -> bool:
+def rank_graphs_enabled(tp_size: int, pipelined: bool, tuning: Tuning) -> bool:
     """Whether a worker rank captures decode CUDA graphs (on a CUDA device).
 
-    ``KVPILOT_CUDA_GRAPHS=0`` turns off every graph; ``KVPILOT_TP_CUDA_GRAPHS=0`` the graphs of
-    ranks holding a tensor-parallel shard (``tp_size > 1``: TP and TP x PP);
-    ``KVPILOT_PP_CUDA_GRAPHS=0`` those of pipeline stages (``pipelined``: ``P > 1``). All default 1.
+    ``tuning.cuda_graphs`` False turns off every graph; ``tuning.tp_cuda_graphs`` False the graphs
+    of ranks holding a tensor-parallel shard (``tp_size > 1``: TP and TP x PP);
+    ``tuning.pp_cuda_graphs`` False those of pipeline stages (``pipelined``: ``P > 1``).
     """
-    from kvpilot.runner.model_runner import cuda_graphs_enabled
-
-    if not cuda_graphs_enabled():
+    if not tuning.cuda_graphs:
         return False
-    if tp_size > 1 and not _env_flag("KVPILOT_TP_CUDA_GRAPHS"):
+    if tp_size > 1 and not tuning.tp_cuda_graphs:
         return False
-    return not (pipelined and not _env_flag("KVPILOT_PP_CUDA_GRAPHS"))
+    return not (pipelined and not tuning.pp_cuda_graphs)
 
 
-def single_gpu_prefill_buckets(max_num_tokens: int) -> Optional[list[int]]:
-    """The padded token counts of the prefill graphs one GPU captures at ``max_num_tokens`` (CUDA),
-    or None when it captures none: ``KVPILOT_CUDA_GRAPHS=0``, ``KVPILOT_PREFILL_GRAPHS=0``, or a bad
-    ``KVPILOT_PREFILL_GRAPH_TOKENS`` (logged as a warning: one GPU's `cuda_graphs.capture_all` then
-    warns and runs prefill steps eagerly, so the ranks do not fail either)."""
-    from kvpilot.runner.cuda_graphs import default_token_buckets, prefill_graph_tokens
-    from kvpilot.runner.model_runner import cuda_graphs_enabled, prefill_graphs_enabled
+def single_gpu_prefill_buckets(max_num_tokens: int, tuning: Tuning) -> Optional[list[int]]:
+    """The padded token counts of the prefill graphs one GPU captures at ``max_num_tokens`` (CUDA)
+    with ``tuning``, or None when it captures none (``tuning.cuda_graphs`` or
+    ``tuning.prefill_graphs`` False)."""
+    from kvpilot.runner.cuda_graphs import default_token_buckets
 
-    if not (cuda_graphs_enabled() and prefill_graphs_enabled()):
+    if not (tuning.cuda_graphs and tuning.prefill_graphs):
         return None
-    try:
-        return default_token_buckets(max_num_tokens, prefill_graph_tokens())
-    except ValueError as e:
-        logger.warning("%s; prefill steps are not padded (one GPU would capture no prefill graphs)", e)
-        return None
+    return default_token_buckets(max_num_tokens, tuning.prefill_graph_tokens)
 
 
-def rank_sampling_enabled() -> bool:
-    """``KVPILOT_TP_RANK_SAMPLING`` (default 1): with asynchronous tensor-parallel steps, the output
-    rank draws the tokens of steps whose every request it can sample exactly as the front end would
-    (`Worker.own_step`); 0 leaves those draws to the front end (arg-max steps stay on the output rank)."""
-    return _env_flag("KVPILOT_TP_RANK_SAMPLING")
-
-
-def step_timing_enabled() -> bool:
-    """``KVPILOT_STEP_TIMING`` (default 0): 1 records per-phase step times in the front end and workers."""
-    return _env_flag("KVPILOT_STEP_TIMING", "0")
-
-
-def pipe_spin_seconds(device: str) -> float:
-    """``KVPILOT_PIPE_SPIN_US``: how long a wait on a pipe polls before it sleeps in ``select``.
+def pipe_spin_seconds(device: str, tuning: Tuning) -> float:
+    """How long a wait on a pipe polls before it sleeps in ``select`` (`Tuning.pipe_spin_us`).
 
     Default 1000 us on GPUs (a step's answer usually comes sooner than that, and a sleeping process
     takes tens of microseconds to wake), 0 on CPU (spinning ranks would steal the cores the others
     compute on).
     """
-    raw = os.environ.get("KVPILOT_PIPE_SPIN_US")
-    us = float(raw) if raw else (1000.0 if device.startswith("cuda") else 0.0)
-    return max(us, 0.0) * 1e-6
+    us = tuning.pipe_spin_us
+    if us is None:
+        us = 1000.0 if device.startswith("cuda") else 0.0
+    return us * 1e-6
 
 
-def go_spin_seconds(device: str) -> float:
-    """``KVPILOT_GO_SPIN_US``: how long the output rank polls for a step's sampled ids (`InputSync`)
-    before it sleeps. Default 50,000 us on GPUs: the ids come one forward pass after the plan (a few
-    milliseconds), and waking a sleeping process would add tens of microseconds to every step; 0 on
-    CPU."""
-    raw = os.environ.get("KVPILOT_GO_SPIN_US")
-    us = float(raw) if raw else (50_000.0 if device.startswith("cuda") else 0.0)
-    return max(us, 0.0) * 1e-6
+def go_spin_seconds(device: str, tuning: Tuning) -> float:
+    """How long the output rank polls for a step's sampled ids (`InputSync`) before it sleeps
+    (`Tuning.go_spin_us`). Default 50,000 us on GPUs: the ids come one forward pass after the plan
+    (a few milliseconds), and waking a sleeping process would add tens of microseconds to every
+    step; 0 on CPU."""
+    us = tuning.go_spin_us
+    if us is None:
+        us = 50_000.0 if device.startswith("cuda") else 0.0
+    return us * 1e-6
 
 
 def spin_poll(conn, seconds: float) -> bool:
@@ -403,8 +382,13 @@ class WorkerSpec:
     ranks_per_node: int  # world size on one node (== world size unless a LeaderWorkerSet group)
     multi_node: bool  # plans reach non-leader ranks by broadcast, logits return through rank 0
     timeout_s: float
-    microbatching: bool = True
+    tuning: Tuning = field(default_factory=Tuning)
     log_level: int = logging.WARNING
+
+    @property
+    def microbatching(self) -> bool:
+        """Pipeline stages cut a step into micro-batches (`Tuning.pp_microbatch`)."""
+        return self.tuning.pp_microbatch
 
     @property
     def world_size(self) -> int:
@@ -433,9 +417,9 @@ class StageRunner(ModelRunner):
         whole = self.model.is_first and self.model.is_last
         tp = self.model.pc.tp_size
         if self.device.type == "cuda" and self.prefill_graphs is None:
-            self.prefill_pad_buckets = single_gpu_prefill_buckets(self.max_num_tokens)
+            self.prefill_pad_buckets = single_gpu_prefill_buckets(self.max_num_tokens, self.tuning)
         if (self.graphs is None and self.device.type == "cuda" and (tp > 1 or not whole)  # else the base's
-                and rank_graphs_enabled(tp, not whole)):
+                and rank_graphs_enabled(tp, not whole, self.tuning)):
             from kvpilot.runner.cuda_graphs import DecodeGraphs, capture_all
 
             if tp == 1:
@@ -543,10 +527,12 @@ class Worker:
         if on_gpu and spec.tp_size == 2 and spec.ranks_per_node % spec.tp_size == 0:
             # Before the model (its layers take site numbers) and before the KV cache is sized.
             pc.custom_all_reduce = CustomAllReduce.create(tp_group, self.tp_rank, spec.tp_size, self.device,
-                                                          all_reduce_sites(layer_range), spec.cfg.hidden_size)
+                                                          all_reduce_sites(layer_range), spec.cfg.hidden_size,
+                                                          spec.tuning.tp_custom_allreduce,
+                                                          spec.tuning.tp_custom_allreduce_max_tokens)
         self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
                                   spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
-                                  pc=pc, layer_range=layer_range)
+                                  pc=pc, layer_range=layer_range, tuning=spec.tuning)
         # One pool size for all ranks: the smallest (block ids index every rank's cache). Decode
         # graphs only if every rank has them: a graph micro-batch sends and receives padded shapes,
         # and TP ranks must run the same collectives.
@@ -569,12 +555,12 @@ class Worker:
         # them, so a step's logits never overwrite those the front end may still be sampling.
         self.logits_buf = None
         self.logits_events: list = []
-        if on_gpu and self.is_output and not spec.multi_node and os.environ.get("KVPILOT_LOGITS_IPC", "1") != "0":
+        if on_gpu and self.is_output and not spec.multi_node and spec.tuning.logits_ipc:
             self.logits_buf = torch.empty((2, spec.max_batch_size, spec.cfg.vocab_size), dtype=torch.float32,
                                           device=self.device)
             # Answer right after launching the step: the front end polls this event (recorded after
             # the logits are in the buffer) instead of this process synchronizing.
-            if _env_flag("KVPILOT_LOGITS_EVENT"):
+            if spec.tuning.logits_event:
                 try:
                     self.logits_events = [torch.cuda.Event(enable_timing=False, blocking=False, interprocess=True)
                                           for _ in range(2)]
@@ -632,7 +618,8 @@ class Worker:
             if self.sampler is None:
                 from kvpilot.sampling.sampler import Sampler
 
-                self.sampler = Sampler()
+                tuning = self.spec.tuning
+                self.sampler = Sampler("auto" if tuning.triton_sampler else "torch", check=tuning.sampling_check)
             call = self.sampler.launch(logits, rows)
             ids.copy_(call.tokens)
             call.detach()  # host copies queued now; rows it may draw again kept apart from the logits
@@ -641,7 +628,7 @@ class Worker:
             return
         from kvpilot.sampling.sampler import greedy_ids
 
-        greedy_ids(logits, out=ids)
+        greedy_ids(logits, out=ids, use_triton=None if self.spec.tuning.triton_sampler else False)
         if self._ids_host is None:
             self.pending_ids.append((None, ids.clone()))
             return
@@ -680,7 +667,7 @@ class Worker:
             RuntimeError: any other message (a protocol error).
         """
         self.flush_ids(conn, keep=0)  # the front end may need them to publish what this step waits for
-        spin = go_spin_seconds(self.spec.device)
+        spin = go_spin_seconds(self.spec.device, self.spec.tuning)
         while True:
             try:
                 if not spin_poll(conn, spin):
@@ -916,10 +903,10 @@ def _serve(worker: Worker, conn) -> None:
     rank = worker.rank
     output_rank = (spec.pp_size - 1) * spec.tp_size
     decoder = PlanDecoder()
-    timer = StepTimer() if step_timing_enabled() else None
+    timer = StepTimer() if spec.tuning.step_timing else None
     worker.timer = timer
     on_gpu = spec.device.startswith("cuda")
-    spin = pipe_spin_seconds(spec.device)
+    spin = pipe_spin_seconds(spec.device, spec.tuning)
     clock = time.perf_counter
     device_clock = _DeviceClock(timer) if timer is not None and on_gpu else None
     while True:

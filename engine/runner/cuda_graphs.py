@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import time
 from itertools import chain
 
@@ -57,6 +56,7 @@ import torch
 
 from kvpilot.model.layers import AttentionMetadata
 from kvpilot.runner.batch import ScheduledSeq
+from kvpilot.tuning import DEFAULT_PREFILL_GRAPH_TOKENS, Tuning
 
 
 logger = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class DecodeGraphs(_GraphSet):
         super().__init__(runner)
         self.batch_sizes = sorted(batch_sizes or default_batch_sizes(runner.max_batch_size))
         if lm_head_in_graph is None:
-            lm_head_in_graph = os.environ.get("KVPILOT_LM_HEAD_IN_GRAPH", "1") not in ("0", "false", "False")
+            lm_head_in_graph = runner_tuning(runner).lm_head_in_graph
         self.lm_head_in_graph = lm_head_in_graph
         self.max_bs = self.batch_sizes[-1]
         self.width = runner.max_blocks_per_seq
@@ -371,7 +371,6 @@ class DecodeGraphs(_GraphSet):
         return self.logits(n)
 
 
-DEFAULT_PREFILL_GRAPH_TOKENS = 256
 
 
 def default_token_buckets(max_num_tokens: int, cap: int = DEFAULT_PREFILL_GRAPH_TOKENS) -> list[int]:
@@ -396,16 +395,9 @@ def default_token_buckets(max_num_tokens: int, cap: int = DEFAULT_PREFILL_GRAPH_
     return [t for t in sizes if t < top] + [top]
 
 
-def prefill_graph_tokens() -> int:
-    """``KVPILOT_PREFILL_GRAPH_TOKENS`` (default 256): the largest step, in tokens, a prefill graph covers.
-
-    Raises:
-        ValueError: the variable is not a positive integer.
-    """
-    raw = os.environ.get("KVPILOT_PREFILL_GRAPH_TOKENS", str(DEFAULT_PREFILL_GRAPH_TOKENS))
-    if not raw.strip().isdigit() or int(raw) < 1:
-        raise ValueError(f"KVPILOT_PREFILL_GRAPH_TOKENS must be a positive integer, got {raw!r}")
-    return int(raw)
+def runner_tuning(runner) -> Tuning:
+    """The `Tuning` of ``runner`` (the defaults for a test double without one)."""
+    return getattr(runner, "tuning", None) or Tuning()
 
 
 class PrefillGraphs(_GraphSet):
@@ -418,16 +410,16 @@ class PrefillGraphs(_GraphSet):
     Args:
         runner: a single-process runner holding the whole model (not a pipeline stage).
         token_buckets: padded token counts to capture (default `default_token_buckets` up to
-            `prefill_graph_tokens`).
+            the runner's `Tuning.prefill_graph_tokens`).
 
     Raises:
-        ValueError: not on CUDA (unless a test double), or a bad ``KVPILOT_PREFILL_GRAPH_TOKENS``.
+        ValueError: not on CUDA (unless a test double).
     """
 
     def __init__(self, runner: "ModelRunner", token_buckets: list[int] | None = None) -> None:
         super().__init__(runner)
-        self.token_buckets = sorted(set(token_buckets or default_token_buckets(runner.max_num_tokens,
-                                                                                prefill_graph_tokens())))
+        self.token_buckets = sorted(set(token_buckets or default_token_buckets(
+            runner.max_num_tokens, runner_tuning(runner).prefill_graph_tokens)))
         self.max_tokens = self.token_buckets[-1]
         self.max_seqs = self._seqs_for(self.max_tokens)
         self.width = W = runner.max_blocks_per_seq

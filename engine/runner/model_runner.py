@@ -38,7 +38,6 @@ host) are clamped to 0: the engine discards what such a row computes.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from itertools import chain
@@ -56,6 +55,7 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers import AttentionMetadata, ParallelContext
 from kvpilot.model.registry import model_class
 from kvpilot.model.weights import load_weights
+from kvpilot.tuning import Tuning
 
 logger = logging.getLogger(__name__)
 
@@ -159,22 +159,6 @@ def prefill_padding(seqs: list[ScheduledSeq], buckets: list[int], max_batch_size
     return padded, min(padded, max_batch_size)
 
 
-def cuda_graphs_enabled() -> bool:
-    """``KVPILOT_CUDA_GRAPHS`` (default 1): set to 0 to run every step eagerly (debugging)."""
-    return os.environ.get("KVPILOT_CUDA_GRAPHS", "1") not in ("0", "false", "False", "no")
-
-
-def prefill_graphs_enabled() -> bool:
-    """``KVPILOT_PREFILL_GRAPHS`` (default 1): set to 0 to run prefill and mixed steps eagerly while
-    decode steps keep their graphs (A/B benchmarks). ``KVPILOT_CUDA_GRAPHS=0`` turns off both."""
-    return os.environ.get("KVPILOT_PREFILL_GRAPHS", "1") not in ("0", "false", "False", "no")
-
-
-def warm_up_enabled() -> bool:
-    """``KVPILOT_WARMUP`` (default 1): set to 0 to skip `ModelRunner.warm_up_eager` at start-up."""
-    return os.environ.get("KVPILOT_WARMUP", "1") not in ("0", "false", "False", "no")
-
-
 class _Staging:
     """A growable pinned host buffer plus the event of the last copy that read it.
 
@@ -213,6 +197,8 @@ class ModelRunner:
         max_seq_len: longest sequence (prompt + output), tokens.
         device, dtype: "auto" or explicit.
         pc, layer_range: tensor-parallel rank and pipeline stage (defaults: the whole model).
+        tuning: the performance switches (`kvpilot.tuning.Tuning`; default: the defaults), given to
+            the model, the CUDA graphs and the sampler's arg-max.
 
     Attributes set for reports: ``weight_bytes``, ``load_seconds``, ``free_bytes_for_kv`` (free memory
     after weights and profiling, before the fraction), ``profile_peak_bytes``, ``num_blocks``,
@@ -231,8 +217,10 @@ class ModelRunner:
 
     def __init__(self, model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, device: str = "auto", dtype: str = "auto",
-                 pc: Optional[ParallelContext] = None, layer_range: Optional[tuple[int, int]] = None) -> None:
+                 pc: Optional[ParallelContext] = None, layer_range: Optional[tuple[int, int]] = None,
+                 tuning: Optional[Tuning] = None) -> None:
         self.cfg = cfg
+        self.tuning = tuning = tuning or Tuning()
         self.kv_config = kv_config
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
@@ -246,7 +234,7 @@ class ModelRunner:
         cfg.raw["_model_dir"] = str(model_dir)
         t0 = time.perf_counter()
         with torch.device("meta"):
-            model = model_class(cfg.architecture)(cfg, pc, layer_range)
+            model = model_class(cfg.architecture)(cfg, pc, layer_range, tuning)
         # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
         model = model.to(self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
@@ -285,11 +273,11 @@ class ModelRunner:
         self.graphs = None
         self.prefill_graphs = None
         single = (pc is None or pc.tp_size == 1) and model.is_first and model.is_last
-        if self.device.type == "cuda" and single and cuda_graphs_enabled():
+        if self.device.type == "cuda" and single and tuning.cuda_graphs:
             from kvpilot.runner.cuda_graphs import capture_all
 
-            self.graphs, self.prefill_graphs = capture_all(self, prefill=prefill_graphs_enabled())
-        if self.device.type == "cuda" and single and warm_up_enabled():
+            self.graphs, self.prefill_graphs = capture_all(self, prefill=tuning.prefill_graphs)
+        if self.device.type == "cuda" and single and tuning.warmup:
             self.warm_up_eager()
 
     @property
@@ -558,7 +546,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden.index_select(0, sample_t))
             else:
                 logits, _ = self.execute(seqs)
-            greedy_ids(logits)
+            greedy_ids(logits, use_triton=None if self.tuning.triton_sampler else False)
 
         steps = 0
         self._warming_up = True

@@ -46,7 +46,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -57,7 +56,7 @@ from kvpilot.sampling.logits_processors import Processing, apply_penalties_and_m
 from kvpilot.sampling.sampler_inputs import SamplingRow, Upload, records, to_host
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "apply_penalties_and_masks", "greedy_ids", "gumbel_noise",
-           "mask_sorted_candidates", "top_k_top_p_min_p", "triton_sampler_enabled"]
+           "mask_sorted_candidates", "top_k_top_p_min_p"]
 
 logger = logging.getLogger(__name__)
 
@@ -363,26 +362,17 @@ def _sel(index: torch.Tensor, n: int, S: int):
 
 
 # ---- the sampler ----------------------------------------------------------------------------
-def triton_sampler_enabled() -> bool:
-    """``KVPILOT_TRITON_SAMPLER`` (default 1): the "auto" backend uses the sort-free Triton kernels on
-    CUDA; 0 selects the PyTorch path. On an H200 (`benchmarks/lab/sampler_bench.py`, batch
-    256) the Triton kernels chose exactly the reference's tokens in every scenario, and the GPU tests
-    of tests/engine/sampling/test_sampling_fast.py passed."""
-    return os.environ.get("KVPILOT_TRITON_SAMPLER", "1") not in ("0", "false", "False", "no")
-
-
 def greedy_ids(logits: torch.Tensor, out: Optional[torch.Tensor] = None, use_triton: Optional[bool] = None
                ) -> torch.Tensor:
     """``torch.argmax(logits, dim=-1)`` ([S] int64, into ``out`` when given): by
     `kvpilot.kernels.sampling.argmax` (same ids, spread over more programs; 27 -> a few us per batch-1
-    step on an H200) when ``use_triton`` (default: CUDA logits, `triton_sampler_enabled` and Triton
-    importable) and that function takes the arguments (2-D float32/bfloat16/float16 logits contiguous
+    step on an H200) when ``use_triton`` (default: CUDA logits and Triton importable) and that function takes the arguments (2-D float32/bfloat16/float16 logits contiguous
     along a vocabulary of 1 .. 2**31 - 1 columns; ``out`` None or a contiguous [S] int64 tensor on
     their device); else by ``torch.argmax``, whose errors it raises."""
     if use_triton is None:
         from kvpilot.kernels import triton_available
 
-        use_triton = logits.is_cuda and triton_sampler_enabled() and triton_available()
+        use_triton = logits.is_cuda and triton_available()
     if use_triton:
         from kvpilot.kernels import sampling as ksampling
 
@@ -404,7 +394,8 @@ class Sampler:
 
     Greedy rows (temperature 0) take the arg-max of the processed logits (ties: lowest id); the
     others draw by Gumbel-max under the exact semantics of the module docstring. ``backend``:
-    "auto" (Triton kernels on CUDA when Triton imports and `triton_sampler_enabled`, else PyTorch),
+    "auto" (Triton kernels on CUDA when Triton imports, else PyTorch; `kvpilot.tuning.Tuning.triton_sampler`
+    False makes the engine pass "torch"),
     "triton" (also CPU tensors under TRITON_INTERPRET=1), "torch" (the candidate path), or "exact"
     (`_draw_exact` for every filtered row). All backends choose the same tokens. Raises ValueError
     when the number of rows and of logits rows differ, or for an unknown backend.
@@ -416,10 +407,11 @@ class Sampler:
 
     BACKENDS = ("auto", "triton", "torch", "exact")
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", check: bool = False):
         if backend not in self.BACKENDS:
             raise ValueError(f"unknown sampler backend {backend!r}; expected one of {self.BACKENDS}")
         self.backend = backend
+        self.check = check  # the Triton draw's index checks (`kvpilot.kernels.sampling.draw`)
         self.exact_rows = 0  # filtered rows the fast paths handed to `_draw_exact` (all calls)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -469,7 +461,8 @@ class Sampler:
                 from kvpilot.kernels import sampling as ksampling
 
                 n_plain = len(d.plain) + len(d.greedy)
-                tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:], n_pivot=d.n_pivot)
+                tokens = ksampling.draw(x, fprm, iprm, order[:n_plain], order[n_plain:], n_pivot=d.n_pivot,
+                                        check=self.check)
             else:
                 keys = t[hk]
                 tokens = self._draw_torch(x, d, fprm, iprm, keys, order)
@@ -507,7 +500,7 @@ class Sampler:
     def _use_triton(self, logits: torch.Tensor) -> bool:
         if self.backend == "triton":
             return True
-        if self.backend != "auto" or not logits.is_cuda or not triton_sampler_enabled():
+        if self.backend != "auto" or not logits.is_cuda:
             return False
         from kvpilot.kernels import triton_available
 

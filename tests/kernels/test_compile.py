@@ -36,7 +36,6 @@ EXPECTED = [
     "pointwise._silu_and_mul_kernel",
     "pointwise._gelu_tanh_and_mul_kernel",
     "gemv._gemv_kernel",
-    "gemv._gemv_tma_kernel",
     "sampling._plain_kernel",
     "sampling._max_kernel",
     "sampling._stats_kernel",

@@ -112,7 +112,7 @@ def test_tma_decode_agrees_with_pointer_kernel_and_skips_padding(tma_launches, m
 
 
 def test_decode_tuning_from_json():
-    """``KVPILOT_DECODE_TUNING``: a JSON object of known keys, two pages at most; anything else a ValueError."""
+    """Decode launch-table overrides: a JSON object of known keys, two pages at most; anything else a ValueError."""
     assert attention_common.decode_tuning_from_json('{"batch_tma_fp8": false, "batch_tma_pages": 2}') == {
         "batch_tma_fp8": False, "batch_tma_pages": 2}
     for text, match in (("{", "not JSON"), ("[1]", "JSON object"), ('{"batch_tma_fp8 ": false}', "unknown keys"),

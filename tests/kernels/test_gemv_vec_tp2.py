@@ -87,7 +87,7 @@ def test_no_change_proposes_todays_rows(V):
     for pro, wanted in _wanted(V, {}, {}).items():
         rows, _, notes = V.propose_rows(pro, wanted)
         assert notes == []
-        assert rows == [r for r in G.CONFIGS[pro] if r[0] == 1 and not r[2].get("tma")]
+        assert rows == [r for r in G.CONFIGS[pro] if r[0] == 1]
 
 
 @pytest.mark.parametrize("pick", [0, 3, 7])
@@ -101,7 +101,6 @@ def test_proposed_rows_give_each_shape_its_configuration(V, pick, shared):
         table = V.table_with(pro, rows)
         assert rows[-1][1] == 0 and all(r[0] == 1 for r in rows)
         assert [r for r in table if r[0] > 1] == [r for r in G.CONFIGS[pro] if r[0] > 1]
-        assert [r for r in table if r[2].get("tma")] == [r for r in G.CONFIGS[pro] if r[2].get("tma")]
         assert sorted(sum(catches.values(), [])) == sorted(w[0] for w in wanted)
         for lab, n, k, cfg, keep in wanted:
             got = V.config_under(pro, table, n, k)

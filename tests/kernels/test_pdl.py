@@ -1,5 +1,5 @@
 """Programmatic dependent launch switch (kernels/pdl.py): on for small launches on a Hopper GPU,
-never on the CPU or under the interpreter, off with KVPILOT_PDL=0; the GPU path is compiled by tools/compile_kernels.py (cases "pdl=")
+never on the CPU or under the interpreter; the GPU path is compiled by tools/compile_kernels.py (cases "pdl=")
 and measured by benchmarks/lab/gpu_pdl_ab.py."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ pytest.importorskip("triton")
 def test_pdl_mode_off_on_the_cpu(monkeypatch):
     from kvpilot.kernels import pdl
 
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)
     assert pdl.pdl_mode(torch.device("cpu"), 1) == 0  # a CPU tensor: no PDL launch option
     assert pdl.launch_options(0) == {}
     assert pdl.launch_options(1) == {"launch_pdl": True}
@@ -26,12 +25,9 @@ def test_pdl_mode_on_a_hopper_gpu(monkeypatch):
 
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9 and pdl.HAS_GDC
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)  # default: on
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert pdl.pdl_mode(dev, 1) == pdl.pdl_mode(dev, pdl.PDL_MAX_ROWS) == (1 if hopper else 0)
     assert pdl.pdl_mode(dev, pdl.PDL_MAX_ROWS + 1) == 0  # larger launches: not measured, off
-    monkeypatch.setenv("KVPILOT_PDL", "0")
-    assert pdl.pdl_mode(dev, 1) == 0
 
 
 @pytest.mark.gpu
@@ -81,18 +77,20 @@ def test_decode_chain_with_pdl_equals_without(monkeypatch, graph):
         x, res = layer(x, res)
         return rms_norm(x, nw, 1e-5, res)[0]
 
+    from support.pdl import pdl_forced
+
     outs = {}
     for mode in ("0", "1"):
-        monkeypatch.setenv("KVPILOT_PDL", mode)
-        chain()  # compile outside the graph
-        if graph:
-            cg = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cg):
-                out = chain()
-            cg.replay()
-            torch.cuda.synchronize()
-            outs[mode] = out.clone()
-        else:
-            outs[mode] = chain()
+        with pdl_forced(0 if mode == "0" else None):
+            chain()  # compile outside the graph
+            if graph:
+                cg = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cg):
+                    out = chain()
+                cg.replay()
+                torch.cuda.synchronize()
+                outs[mode] = out.clone()
+            else:
+                outs[mode] = chain()
     assert torch.isfinite(outs["0"].float()).all()
     assert torch.equal(outs["0"], outs["1"])

@@ -78,7 +78,7 @@ def test_pdl_kernels_touch_no_global_memory_before_griddepcontrol_wait(tmp_path)
     kernels = {line.split()[1] for line in checked}
     assert kernels == {"allreduce._two_rank_all_reduce_kernel", "decode_attention._decode_kernel",
                        "decode_attention._reduce_kernel", "fused_decode_attention._rotary_decode_kernel", "gemv._gemv_kernel",
-                       "gemv._gemv_tma_kernel", "kv_cache._rotary_write_kv_kernel",
+                       "kv_cache._rotary_write_kv_kernel",
                        "pointwise._rms_norm_kernel"}, kernels
     # The pipelined tl.dot GEMV (M = 8: BLOCK_M=16, 3 stages of cp.async) is among them, and the
     # attention kernel with and without context splits and with the FP8 cache.
@@ -158,7 +158,7 @@ def test_every_pdl_launch_passes_use_pdl_and_every_use_pdl_kernel_waits_first():
                 bad = [c for c in called if c.startswith(_MEMORY_CALLS) or c in jits]
             assert not bad, (fname, name, bad)
             assert name in launches, f"{fname}: {name} takes USE_PDL but is never launched with launch_options"
-    assert sorted(set(launches)) == ["_decode_kernel", "_gemv_kernel", "_gemv_tma_kernel", "_reduce_kernel",
+    assert sorted(set(launches)) == ["_decode_kernel", "_gemv_kernel", "_reduce_kernel",
                                      "_rms_norm_kernel", "_rotary_decode_kernel", "_rotary_write_kv_kernel",
                                      "_two_rank_all_reduce_kernel"]
 
@@ -176,7 +176,6 @@ def test_pdl_mode_is_off_on_a_rocm_gpu(monkeypatch):
     monkeypatch.setattr(pdl, "HAS_GDC", True)
     monkeypatch.setattr(torch.version, "hip", "6.2.0", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pdl._capable.cache_clear()
     try:
@@ -187,24 +186,19 @@ def test_pdl_mode_is_off_on_a_rocm_gpu(monkeypatch):
 
 def test_pdl_mode_follows_the_row_limit_on_hopper(monkeypatch):
     """The rule the checks above assume (and the CUDA-graph batch sizes 1, 2, 4, 8 rely on): on an
-    sm_90 device with KVPILOT_PDL unset, PDL for at most PDL_MAX_ROWS rows, off above and with
-    KVPILOT_PDL=0."""
+    sm_90 device, PDL for at most PDL_MAX_ROWS rows, off above and under the interpreter."""
     pytest.importorskip("triton")
     from kvpilot.kernels import pdl
 
     monkeypatch.setattr(pdl, "HAS_GDC", True)
     monkeypatch.setattr(torch.version, "hip", None, raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     pdl._capable.cache_clear()
     try:
         dev = torch.device("cuda", 0)
         assert [pdl.pdl_mode(dev, r) for r in (1, pdl.PDL_MAX_ROWS, pdl.PDL_MAX_ROWS + 1)] == [1, 1, 0]
-        monkeypatch.setenv("KVPILOT_PDL", "0")
-        assert pdl.pdl_mode(dev, 1) == 0
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        monkeypatch.setenv("KVPILOT_PDL", "1")
         assert pdl.pdl_mode(dev, 1) == 0
     finally:
         pdl._capable.cache_clear()
@@ -232,7 +226,6 @@ def test_gpu_negative_control_is_caught(monkeypatch):
     """The harness can see a race: a kernel that loads before its wait, launched with PDL after a
     late writer, reads the stale input in some trials (otherwise PDL is not in effect and the
     late-writer test below proves nothing)."""
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)
     r = _pdl_harness()
     assert r.negative_control(10, 50.0) > 0
 
@@ -243,7 +236,6 @@ def test_gpu_pdl_kernels_never_read_or_overwrite_early(monkeypatch):
     """Every late-writer / late-reader case of benchmarks/lab/gpu_pdl_races.py (Llama-3.1-8B shapes,
     1 and 8 rows, bf16 and FP8 caches, the qkv -> rotary -> attention -> o_proj chain), eagerly
     and from a CUDA graph: the output equals the synchronised call's, bit for bit."""
-    monkeypatch.delenv("KVPILOT_PDL", raising=False)
     r = _pdl_harness()
     bad = {}
     for case in r.build_cases():

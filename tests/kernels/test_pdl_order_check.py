@@ -82,11 +82,10 @@ def test_pdl_checker_early_loads_allow_plain_loads_and_branches_only():
 
 def test_pdl_checker_scan_mode_checks_every_pdl_kernel(tmp_path):
     """``pdl_order_check.py --scan-cache`` (the check of what the GPU's own Triton compiled) checks every
-    kernel with a ``USE_PDL`` parameter, ``_gemv_tma_kernel`` and ``_two_rank_all_reduce_kernel``
-    included: a cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel,
+    kernel with a ``USE_PDL`` parameter, ``_two_rank_all_reduce_kernel`` included: a cache holding each PDL kernel with a global load (a store for the ``EARLY_LOADS`` kernel,
     which may load there) before its wait yields one problem each."""
     names = _pdl_kernel_names()
-    assert {"_gemv_kernel", "_gemv_tma_kernel", "_two_rank_all_reduce_kernel"} <= names
+    assert {"_gemv_kernel", "_two_rank_all_reduce_kernel"} <= names
     cache = tmp_path / "cache"
     for i, name in enumerate(sorted(names)):
         (cache / f"h{i}").mkdir(parents=True)

@@ -108,6 +108,16 @@ REGISTRY: dict[str, EnvVar] = {v.name: v for v in (
 """Every ``KVPILOT_*`` variable kvpilot reads, by name."""
 
 
+def markdown_table() -> str:
+    """`REGISTRY` as the Markdown table of the README's "Environment variables" section: one row
+    per variable (name, type, default, meaning), in registry order."""
+    rows = ["| variable | type | default | meaning |", "|---|---|---|---|"]
+    for var in REGISTRY.values():
+        default = "unset" if var.default is None else f"`{var.default}`"
+        rows.append(f"| `{var.name}` | {var.kind} | {default} | {var.doc} |")
+    return "\n".join(rows)
+
+
 def get(name: str) -> Any:
     """The parsed value of the registered variable ``name``.
 

@@ -41,7 +41,7 @@ def paged_attention_triton(
     count) is the KV-head count every launch decision assumes (the decode and prefill context splits,
     the decode kernel's full-batch launch), while the grids still cover all heads: a caller holding
     several tensor-parallel shards' heads passes one shard's count, so each head is computed exactly
-    as on a rank holding one shard (engine/model/tp_invariant.py, ``KVPILOT_TP_INVARIANT``; the values of
+    as on a rank holding one shard (engine/model/tp_invariant.py, ``Tuning.tp_invariant``; the values of
     one head never depend on the grid). The prefill launch depends only on shapes and these bounds, so a
     CUDA graph captured at padded sizes (padded tokens, sequences with empty query ranges,
     ``max_query_len`` = padded token count) replays it for any batch that fits. The innermost

@@ -424,7 +424,7 @@ def _collect_kernel(x_ptr, stride, V, rows_ptr, fprm_ptr, iprm_ptr, pmax_ptr, pl
 # ---- the pivot path: rows filtered by top-p and/or min-p only ----------------------------------
 @triton.jit
 def _checked(rec_ptr, code, x, hi, a, b, c):
-    """Debug mode (KVPILOT_SAMPLING_CHECK=1): x clamped into [0, hi); an x outside is recorded at
+    """Debug mode (Tuning(sampling_check=True)): x clamped into [0, hi); an x outside is recorded at
     rec_ptr as (code, x, hi, a, b, c) for `draw` to raise on."""
     bad = (x < 0) | (x >= hi)
     if bad:

@@ -544,7 +544,7 @@ def _all_reduce(tokens: int, dtype: torch.dtype):
     def case():
         from kvpilot.kernels.allreduce import empty_receive_buffer, two_rank_all_reduce
 
-        # o_proj / down_proj partial sums (bf16, or float32 with KVPILOT_TP_REDUCE_FP32=1), one site's buffers
+        # o_proj / down_proj partial sums (bf16, or float32 with Tuning(tp_reduce_fp32=True)), one site's buffers
         recv = empty_receive_buffer(64 * HIDDEN, "cpu")
         two_rank_all_reduce(torch.empty(tokens, HIDDEN, dtype=dtype), recv, empty_receive_buffer(64 * HIDDEN, "cpu"))
 

@@ -5,7 +5,7 @@ many callers (`generate`, concurrent `generate_async`, the HTTP server) share ev
 talk to the loop only through a queue (add / abort) and receive `RequestUpdate`s on their
 `RequestOutput`.
 
-Asynchronous output processing (vLLM's "async output processor"; ``KVPILOT_ASYNC_OUTPUT``, default
+Asynchronous output processing (vLLM's "async output processor"; ``Tuning.async_output``, default
 1). Each sampled token's host work is split in two:
 
 - the *fast* part (`_append_token`), which the next schedule needs: append the id, stop token ids /
@@ -19,10 +19,10 @@ part of step N. A sequence that the slow part of N-1 finishes by a stop string w
 in step N: its step-N token is dropped (never appended, counted or sent). The slow part runs at once
 (in the same step) when nothing follows (the scheduler has no work), for requests whose sequences all
 finished in the fast part (a final result never waits for another step), before an abort of its
-request and before `fail_all`. With ``KVPILOT_ASYNC_OUTPUT=0`` both parts always run in the step
+request and before `fail_all`. With ``Tuning(async_output=False)`` both parts always run in the step
 that sampled the token (the synchronous engine, for A/B runs).
 
-Async scheduling (vLLM v1's; ``KVPILOT_ASYNC_SCHEDULING``, default on with a CUDA `ModelRunner`, off
+Async scheduling (vLLM v1's; ``Tuning.async_scheduling``, default on with a CUDA `ModelRunner`, off
 on CPU). Above, the device idles from the sampler's read of step N until step N+1's inputs are
 copied (the fast part, the next schedule, the plan, the runner's input preparation: 2-3 ms at a few
 hundred sequences). With async scheduling step N's sampled ids stay on the device (`_InFlight`) and

@@ -12,7 +12,7 @@ states are ``[T, hidden]``. Tensor parallelism: `kvpilot.model.linear`'s layers 
 layout), the embedding and LM head split by vocabulary (`VocabParallelEmbedding`); pipeline stages
 own a contiguous ``layer_range``.
 
-Decode fast path (``fused_gemv``, ``KVPILOT_FUSED_GEMV``; `kvpilot.model.llama`'s docstring): a
+Decode fast path (``fused_gemv``, ``Tuning.fused_gemv``; `kvpilot.model.llama`'s docstring): a
 pre-norm layer whose QKV and gate/up weights the fused GEMV kernels read, with a SiLU `GatedMLP`,
 runs RMSNorm + QKV, ``o_proj``, RMSNorm + gate/up, SiLU + ``down_proj`` through
 ``kernels/gemv.py``'s dispatchers; other layers (Gemma's sandwich norms and GeGLU, an MoE block,

@@ -11,7 +11,7 @@ Tensor parallelism (Megatron-LM layout): QKV and gate/up projections are split b
 all-reduce each), the embedding and LM head by vocabulary. With ``tp_size == 1`` it is the plain
 model. When ``tp_size`` exceeds the KV head count, KV heads are replicated across ranks.
 
-Fused decode GEMVs (``KVPILOT_FUSED_GEMV``, default 1, read once when the model is built): each
+Fused decode GEMVs (``Tuning.fused_gemv``, default 1, read once when the model is built): each
 decoder layer runs its four matrix products through the dispatchers of ``kernels/gemv.py``:
 input RMSNorm (+ residual add) and QKV as ``rmsnorm_gemv``, ``o_proj`` as ``gemv``, the
 post-attention RMSNorm and gate/up as ``rmsnorm_gemv``, SiLU-and-mul and ``down_proj`` as
@@ -19,10 +19,10 @@ post-attention RMSNorm and gate/up as ``rmsnorm_gemv``, SiLU-and-mul and ``down_
 ``FUSED_MAX_ROWS[op]`` tokens (batch-1 decode: about 0.23 ms per Llama-3.1-8B step on an H200 in
 benchmarks/lab/gpu_gemv.py) and otherwise run exactly the unfused ops, so CPU runs and larger batches
 compute the same values either way. The ``nn.Linear`` modules stay (weight names, loading and
-tensor-parallel sharding are unchanged); only their forward is bypassed. ``KVPILOT_FUSED_GEMV=0``
+tensor-parallel sharding are unchanged); only their forward is bypassed. ``Tuning(fused_gemv=False)``
 restores the unfused module calls.
 
-Row-parallel reduction in float32 (``KVPILOT_TP_REDUCE_FP32=1``; default 0, read once when the model is
+Row-parallel reduction in float32 (``Tuning(tp_reduce_fp32=True)``; default 0, read once when the model is
 built; tensor parallelism with a 16-bit model only): one GPU rounds ``o_proj``'s and ``down_proj``'s
 fp32 accumulation to the model dtype once. Summing per-rank partial products that were each rounded
 to bf16, in a bf16 all-reduce, would round twice more per projection, and on random-weight models
@@ -41,7 +41,7 @@ by default, like vLLM's and TensorRT-LLM's bf16 all-reduce: the bf16 all-reduce 
 (tensor-parallel rank 0 adds the bias inside its GEMM). Every rank holds the whole
 bias of a row-parallel layer (`weights.load_weights`); it is added exactly once either way.
 
-Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, default off): the layers of
+Tensor-parallel-invariant mode (``Tuning.tp_invariant=T``, default off): the layers of
 `kvpilot.model.tp_invariant` (`InvariantDecoderLayer`) replace the default ones when the model is built;
 see that module.
 """

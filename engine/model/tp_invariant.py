@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``; docs/parallelism.md).
+"""Tensor-parallel-invariant mode (``Tuning.tp_invariant=T``; docs/parallelism.md).
 
 ``T`` (default 0 = off) is read once when the model is built (`kvpilot.model.llama.LlamaForCausalLM`), so
 spawned workers inherit it. Every layout then computes the decomposition of a TP-``T`` group: TP
@@ -22,7 +22,7 @@ every sharded op runs once per shard at that rank's shapes (`InvariantDecoderLay
   this is the default two-rank all-reduce (NCCL's and the one-shot kernel's
   ``bf16(float(a) + float(b))``), so that layout keeps the default model (`llama.LlamaDecoderLayer`,
   one-shot kernel included); with ``t > 1`` and ``T > 2`` the ranks all-gather their partials
-  instead of all-reducing. ``KVPILOT_TP_REDUCE_FP32`` is ignored in this mode.
+  instead of all-reducing. ``Tuning.tp_reduce_fp32`` is ignored in this mode.
 - LM head (vocabulary parallel, `LlamaForCausalLM.compute_logits`): with ``s > 1`` one
   ``[ceil(V / T), hidden]`` matrix per shard (zero-padded like a TP-``T`` rank's), products
   concatenated in shard order. The embedding lookup is exact in any layout and stays the default
@@ -35,9 +35,9 @@ different: signed zeros (a two-rank sum of -0.0 and -0.0 is +0.0 in the one-shot
 a 16-bit add), and batch shapes (a row's bf16 values depend on its batch's shapes: kernel choices,
 attention splits). The runner keeps those alike across tensor-parallel sizes (TP ranks pad eager
 prefill steps to one GPU's prefill-graph buckets, `model_runner.prefill_padding`, and decode graphs
-pad batches alike; ``KVPILOT_TP_CUDA_GRAPHS=0`` or ``KVPILOT_PREFILL_GRAPHS=0`` on one side only
+pad batches alike; ``Tuning(tp_cuda_graphs=False)`` or ``Tuning(prefill_graphs=False)`` on one side only
 changes ``M``), but not: pipeline micro-batches (``P > 1`` cuts a step into up to ``P`` batches
-of its own, so PP 2 matches a one-stage layout only with ``KVPILOT_PP_MICROBATCH=0``), and
+of its own, so PP 2 matches a one-stage layout only with ``Tuning(pp_microbatch=False)``), and
 schedules (a KV pool sized from free memory is larger at TP 2 than on one GPU, so one layout may
 preempt or evict cached prefixes where the other does not: fix the pool with
 ``KvCacheConfig(max_tokens=)``). The cost on one GPU with ``T = 2``: per layer every projection is

@@ -12,9 +12,9 @@ replicated. After the last tensor, every module's ``process_weights_after_loadin
 
 Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
 holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
-all-reduce, or inside rank 0's GEMM with ``KVPILOT_TP_REDUCE_FP32=0``).
+all-reduce, or inside rank 0's GEMM with ``Tuning(tp_reduce_fp32=False)``).
 
-Tensor-parallel-invariant models (``KVPILOT_TP_INVARIANT``, `tp_invariant.InvariantDecoderLayer`): each of
+Tensor-parallel-invariant models (``Tuning.tp_invariant``, `tp_invariant.InvariantDecoderLayer`): each of
 a rank's shards ``g`` gets what rank ``g`` of a TP-``T`` group loads, through the same slicing code
 (`_shard_targets`), into its own parameters (``qkv_shards.j``, ``o_shards.j``, ``gate_up_shards.j``,
 ``down_shards.j``, ``lm_head_shards.j``; a tied model's embedding, where it reads those LM head shards,

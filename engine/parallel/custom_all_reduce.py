@@ -11,7 +11,7 @@ the model is built and the KV cache sized) allocates one float32 receive buffer 
 PyTorch's symmetric memory (``torch.distributed._symmetric_memory``: CUDA IPC mappings of each
 rank's buffer in its peers) and maps the peer's. It returns None, and the engine keeps NCCL, unless
 every rank can: CUDA (not ROCm: the kernel's flag protocol is measured on NVIDIA GPUs only), exactly
-two ranks in the group, ``KVPILOT_TP_CUSTOM_ALLREDUCE`` not 0 on both, peer access between the two
+two ranks in the group, ``Tuning.tp_custom_allreduce`` not 0 on both, peer access between the two
 GPUs (none between PCIe GPUs without P2P, e.g. two GeForce cards, nor between MIG instances; there
 PyTorch's rendezvous fails, or crashes), and a symmetric-memory allocation and rendezvous that
 succeed on both. Every step that can fail on one rank only is followed by an agreement over the
@@ -26,8 +26,8 @@ its first symmetric-memory call (PyTorch reads it at each allocation and rendezv
 
 Switches (read once, at set-up):
 
-- ``KVPILOT_TP_CUSTOM_ALLREDUCE`` (default 1): 0 keeps NCCL for every all-reduce.
-- ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS``: the largest all-reduce (in tokens of
+- ``Tuning.tp_custom_allreduce`` (default 1): 0 keeps NCCL for every all-reduce.
+- ``Tuning.tp_custom_allreduce_max_tokens``: the largest all-reduce (in tokens of
   ``hidden_size`` elements) the one-shot kernel takes; larger ones (prefill) use NCCL. Default: 256
   tokens (on two H200s the one-shot kernel beat NCCL at every size up to 256 tokens of Llama-3.1-8B,
   BENCHMARKS.md), fewer where the buffers would pass 512 MB. Memory:

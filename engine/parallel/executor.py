@@ -16,13 +16,13 @@ worker's traceback; the engine loop is stopped and every other worker is termina
 hangs. Waits use `multiprocessing.connection.wait` over the pipes and the process sentinels.
 
 Asynchronous steps (`MultiprocExecutor.defers_logits`; one pipeline stage on one node,
-``KVPILOT_TP_ASYNC`` not 0): the front end sends step N+1 before it samples step N, and the output
+``Tuning.tp_async`` not 0): the front end sends step N+1 before it samples step N, and the output
 rank gets step N's ids from the front end (a "go" message, or the interprocess event of an earlier
 publication) or chooses them itself: its arg-max when every live request wants only greedy ids, or
 its own run of the front end's `Sampler` over the same logits and `SamplingRow` records when every
 live request wants only ids drawn with temperature, top-k, top-p, min-p and a seed (nothing that
 needs the front end's state: log-probabilities, penalties, biases, bans, beams;
-``KVPILOT_TP_RANK_SAMPLING=0`` leaves those draws to the front end). The front end then queues no
+``Tuning(tp_rank_sampling=False)`` leaves those draws to the front end). The front end then queues no
 device work, since its kernels would time-slice the output rank's GPU, and no step waits for it
 (``parallel_worker.InputSync``, `Worker.own_step`; docs/parallelism.md).
 
@@ -361,7 +361,7 @@ class MultiprocExecutor:
         """Send one step's plan to the workers; return the output rank's logits and rows.
 
         With ``defers_logits`` (asynchronous steps: one pipeline stage on one node,
-        ``KVPILOT_TP_ASYNC`` not 0), this returns at once, after sending the plan: the logits
+        ``Tuning.tp_async`` not 0), this returns at once, after sending the plan: the logits
         ``[R, vocab]`` (R from the plan) are the shared buffer's rows (on CPU, a tensor the answer is
         read into), valid only after `await_logits`, and the rows are ``range(R)``. The caller then
         owes, for every step in order, one `await_logits` and one `publish_tokens` (the step's
@@ -727,7 +727,7 @@ class MultiprocExecutor:
         """Per-phase step times: ``{"front_end": summary, "ranks": {rank: summary}}``.
 
         Each summary is ``{phase: {"n", "mean_ms", "median_ms"}}`` (`StepTimer.summary`); empty unless
-        ``KVPILOT_STEP_TIMING=1`` was set when the engine started. Front-end phases: ``send`` (encode,
+        ``Tuning(step_timing=True)`` was set when the engine started. Front-end phases: ``send`` (encode,
         pickle and write the plan to every pipe), ``wait_answer`` (until the output rank's answer),
         ``logits`` (event wait and copy out of the shared buffer, or read from the pipe), ``execute``
         (all three), ``host_between_steps`` (from one step's return to the next call: sampling, output

@@ -24,12 +24,12 @@ switches.
 
 Same shapes as one GPU: one GPU replays prefill steps of up to 256 tokens from graphs
 captured at padded token counts, so on CUDA every rank pads such eager steps the same way
-(`model_runner.prefill_padding`; off where one GPU would not graph them: ``KVPILOT_CUDA_GRAPHS=0``,
-``KVPILOT_PREFILL_GRAPHS=0``). Pipeline stages then run the same kernels at the same shapes as one GPU
+(`model_runner.prefill_padding`; off where one GPU would not graph them: ``Tuning(cuda_graphs=False)``,
+``Tuning(prefill_graphs=False)``). Pipeline stages then run the same kernels at the same shapes as one GPU
 on their layers, and a request alone in the engine gets one GPU's greedy tokens. With several
-requests in a step, micro-batching (``KVPILOT_PP_MICROBATCH``, default 1) cuts the step into smaller
+requests in a step, micro-batching (``Tuning.pp_microbatch``, default 1) cuts the step into smaller
 batches than one GPU runs, so their shapes, and so the bf16 rounding of their matrix products, can
-still differ from one GPU's; ``KVPILOT_PP_MICROBATCH=0`` keeps whole steps. A micro-batch is padded
+still differ from one GPU's; ``Tuning(pp_microbatch=False)`` keeps whole steps. A micro-batch is padded
 (to its own bucket) only when one GPU would pad the whole step: where one GPU runs a step eagerly
 (more tokens or sequences than its largest graph, prompt logprobs) padding its micro-batches would
 only add compute.
@@ -330,16 +330,16 @@ def one_shot_everywhere(worker: Worker) -> bool:
 
 def check_same_invariant_size(worker: Worker) -> None:
     """Raise ValueError unless every rank of the world, on every node, built its model with the same
-    ``KVPILOT_TP_INVARIANT`` (engine/model/tp_invariant.py): ranks that disagree would pair an all-gather
+    ``Tuning.tp_invariant`` (engine/model/tp_invariant.py): ranks that disagree would pair an all-gather
     with an all-reduce. Collective over the default group, once, after `Worker` is built (pods of a
-    LeaderWorkerSet group read the variable from their own environment)."""
+    LeaderWorkerSet group build their `Tuning` from their own ``KVPILOT_TUNING``)."""
     size = int(getattr(worker.runner.model, "tp_invariant", 0))
     span = torch.tensor([size, -size], dtype=torch.int64, device=worker.device)
     dist.all_reduce(span, op=dist.ReduceOp.MIN)
     low, high = int(span[0].item()), -int(span[1].item())
     if low != high:
-        raise ValueError(f"ranks disagree on KVPILOT_TP_INVARIANT: values from {low} to {high} "
-                         f"(this rank: {size}); set the same value on every pod")
+        raise ValueError(f"ranks disagree on Tuning.tp_invariant: values from {low} to {high} "
+                         f"(this rank: {size}); set the same KVPILOT_TUNING on every pod")
 
 
 def split_microbatches(plan: list[ScheduledSeq], parts: int) -> list[list[ScheduledSeq]]:
@@ -809,7 +809,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     rank answers each step with ``("ok", shape, rows, in_buffer)``, followed, when not ``in_buffer``,
     by the float32 logits as raw bytes; every rank the front end sends plans to (all of them on one
     node, rank 0 of a multi-node group) answers ``("timing", rank, summary)`` (`StepTimer.summary`,
-    empty unless ``KVPILOT_STEP_TIMING=1``).
+    empty unless ``Tuning(step_timing=True)``).
     Any exception is sent as ``("error", rank, traceback_text)`` and ends the process with status 1.
     In a multi-node group only rank 0 talks to the front end; the other ranks get plans by broadcast
     and send logits to rank 0 (``conn`` is None on ranks of other nodes).

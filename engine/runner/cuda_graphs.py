@@ -21,7 +21,7 @@ as vLLM and TensorRT-LLM do:
   vocab] float32 or ``hidden`` [max_bs, hidden]) so graphs of different sizes do not each keep
   their own output memory.
 
-``lm_head_in_graph`` (default True, ``KVPILOT_LM_HEAD_IN_GRAPH=0`` to change) puts the final
+``lm_head_in_graph`` (default True, ``Tuning(lm_head_in_graph=False)`` to change) puts the final
 projection inside the graph; measured on an H200 in docs/gpu_benchmarks.md.
 
 Pipeline stages (`DecodeGraphs` of a `parallel_worker.StageRunner` whose model is one stage): a
@@ -34,7 +34,7 @@ outside the graphs (`parallel_worker.Worker.execute` issues them); tensor-parall
 stage's layers are inside, as in the whole-model tensor-parallel graphs.
 
 `PrefillGraphs` covers steps with at least one prefill chunk (alone or mixed with decodes) of up to
-256 tokens by default (``KVPILOT_PREFILL_GRAPH_TOKENS``; at most ``max_num_tokens``), padded to a
+256 tokens by default (``Tuning.prefill_graph_tokens``; at most ``max_num_tokens``), padded to a
 token bucket (`default_token_buckets`, which says why 256); larger steps are GPU-bound for an 8B
 model and run eagerly. Each bucket of ``T`` tokens has a fixed sequence count
 ``min(T, max_batch_size)``; padded tokens write no KV (slot ``-1``), padded sequences have empty query
@@ -388,7 +388,7 @@ def default_token_buckets(max_num_tokens: int, cap: int = DEFAULT_PREFILL_GRAPH_
     0.95-1.19x), and with graphs up to 1,024 tokens offline throughput at 256 concurrent requests
     (200 in / 200 out: steps of a few hundred tokens) was 2-5% lower than without them, the
     padding's cost. Smaller models and slower host CPUs move the break-even point up; raise the cap
-    with ``KVPILOT_PREFILL_GRAPH_TOKENS`` there.
+    with ``Tuning.prefill_graph_tokens`` there.
     """
     top = max(1, min(cap, max_num_tokens))
     sizes = [16, 32, 64, 96, *range(128, 513, 32), *range(576, max(cap, 576) + 1, 64)]

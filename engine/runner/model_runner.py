@@ -12,7 +12,7 @@ On CUDA (TensorRT-LLM's and vLLM's recipe):
   profiling forward pass of ``max_num_tokens`` tokens (``KvCacheConfig.max_tokens`` caps it);
 - decode-only steps replay CUDA graphs captured at padded batch sizes (`cuda_graphs.DecodeGraphs`);
   steps with a prefill chunk of up to 256 tokens (alone or mixed with decodes;
-  ``KVPILOT_PREFILL_GRAPH_TOKENS``) replay graphs captured at padded token counts
+  ``Tuning.prefill_graph_tokens``) replay graphs captured at padded token counts
   (`cuda_graphs.PrefillGraphs`); larger steps and prompt-logprob steps run eagerly;
 - inputs are built with numpy in pinned host buffers and sent with one asynchronous copy, so the
   only device-to-host synchronisation per step is the sampler reading the chosen token ids;

@@ -23,7 +23,7 @@ min-p keeps values >= max + log(min_p). Masses are the integers ``floor(exp(z - 
 comparison is ``float64(mass above) < float64(top_p) * float64(total)``. The draw is the arg-max of
 ``z + G`` over kept tokens, ties by lower id.
 
-Paths: on CUDA with Triton (the default; ``KVPILOT_TRITON_SAMPLER=0`` turns it off),
+Paths: on CUDA with Triton (the default; ``Tuning(triton_sampler=False)`` turns it off),
 `kvpilot.kernels.sampling` draws every row without sorting and without ``[rows, V]`` temporaries
 (rows with top-k through a window around the kept prefix's end; rows with only top-p/min-p by
 testing Gumbel-max candidates for membership, which needs no boundary at all: ``_Draw`` puts

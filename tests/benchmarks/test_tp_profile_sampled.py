@@ -17,7 +17,7 @@ ROOT = REPO
 # ---- the ready message in a group whose ranks do not all have a pipe --------------------------------
 
 
-# ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
+# ---- benchmarks/lab/gpu_tp_profile.py --sampled ---------------------------------------------------------
 
 
 # ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------

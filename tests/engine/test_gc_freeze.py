@@ -1,5 +1,5 @@
-"""Start-up moves the heap out of the cyclic garbage collector's reach (`gc.freeze`), unless
-``KVPILOT_GC_FREEZE=0``."""
+"""Start-up moves the heap out of the cyclic garbage collector's reach (`gc.freeze`); shutdown
+gives it back."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ def unfrozen():
 
 
 def test_llm_start_freezes_the_heap(stories_model_dir, unfrozen, monkeypatch):
-    monkeypatch.delenv("KVPILOT_GC_FREEZE", raising=False)
     gc.collect()  # garbage left by earlier tests is not part of the heap start-up freezes
     tracked_before = len(gc.get_objects())
     llm = LLM(str(stories_model_dir))
@@ -33,19 +32,9 @@ def test_llm_start_freezes_the_heap(stories_model_dir, unfrozen, monkeypatch):
         llm.shutdown()
 
 
-def test_gc_freeze_can_be_turned_off(stories_model_dir, unfrozen, monkeypatch):
-    monkeypatch.setenv("KVPILOT_GC_FREEZE", "0")
-    llm = LLM(str(stories_model_dir))
-    try:
-        assert gc.get_freeze_count() == 0
-    finally:
-        llm.shutdown()
-
-
 def test_shut_down_engine_is_collectable(stories_model_dir, unfrozen, monkeypatch):
     """A frozen object is never collected: shutdown unfreezes, so an engine dropped after shutdown
     (and its model, even inside reference cycles) is freed by the next collection."""
-    monkeypatch.delenv("KVPILOT_GC_FREEZE", raising=False)
     llm = LLM(str(stories_model_dir))
     model = weakref.ref(llm._executor)
     assert gc.get_freeze_count() > 0

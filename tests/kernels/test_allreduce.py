@@ -192,12 +192,8 @@ def test_create_declines_without_two_cuda_ranks(monkeypatch):
 
     assert CustomAllReduce.create(None, 0, 2, torch.device("cpu"), 5, 32) is None
     assert CustomAllReduce.create(None, 0, 4, torch.device("cuda", 0), 5, 32) is None
-    monkeypatch.delenv("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", raising=False)
     assert custom_all_reduce_max_tokens(65, 4096) == 256  # Llama-3.1-8B: 273 MB of buffers
     assert custom_all_reduce_max_tokens(161, 8192) == (512 << 20) // (4 * 161 * 8192) == 101  # 70B: capped
     assert custom_all_reduce_max_tokens(10**6, 10**5) == 1
-    monkeypatch.setenv("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", "0")
-    with pytest.raises(ValueError, match="positive integer"):
-        custom_all_reduce_max_tokens()
-    monkeypatch.setenv("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", "16")
-    assert custom_all_reduce_max_tokens() == 16
+    assert custom_all_reduce_max_tokens(max_tokens=16) == 16  # Tuning.tp_custom_allreduce_max_tokens
+    assert CustomAllReduce.create(None, 0, 2, torch.device("cpu"), 5, 32, enabled=False) is None

@@ -213,7 +213,7 @@ class _SimEngine:
 # ---- engine level: a tiny random Llama against transformers ----------------------------------
 def _llm(d, monkeypatch, async_scheduling: bool, pool_tokens: int, reuse: bool = True, block: int = 4,
          max_batch_size: int = 16, max_num_tokens: int = 64) -> LLM:
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": %s}' % ("true" if async_scheduling else "false"))
     llm = LLM(str(d), skip_tokenizer_init=True, device="cpu", max_batch_size=max_batch_size,
               max_num_tokens=max_num_tokens,
               kv_cache_config=KvCacheConfig(tokens_per_block=block, max_tokens=pool_tokens, enable_block_reuse=reuse))

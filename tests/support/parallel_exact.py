@@ -8,12 +8,13 @@ their answers.
 
 from __future__ import annotations
 
-import os
 import pickle
 import traceback
 from pathlib import Path
 
 import torch
+
+from kvpilot.tuning import Tuning
 
 BLOCK = 8
 PROMPTS = [[1, 17, 40, 3, 99, 5, 60, 7, 8], [1, 2, 30, 44, 5], [1, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100]]
@@ -46,14 +47,14 @@ def greedy_steps(runner, prompts=PROMPTS, steps: int = DECODE_STEPS):
     return out, toks
 
 
-def _runner(model_dir: str, dtype: str, pc=None, max_num_tokens: int = 64):
+def _runner(model_dir: str, dtype: str, pc=None, max_num_tokens: int = 64, tuning=None):
     from kvpilot.config import KvCacheConfig
     from kvpilot.model.config import ModelConfig
     from kvpilot.runner.model_runner import ModelRunner
 
     return ModelRunner(Path(model_dir), ModelConfig.from_dir(Path(model_dir)),
                        KvCacheConfig(tokens_per_block=BLOCK, max_tokens=512), max_num_tokens=max_num_tokens,
-                       max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc)
+                       max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc, tuning=tuning)
 
 
 def spawn_ranks(target, args_of_rank, world: int = 2, timeout_s: float = 240.0) -> dict:
@@ -95,8 +96,8 @@ def _send(conn, msg) -> None:
 
 
 def tp_reduce_rank(rank: int, init_method: str, model_dir: str, conn) -> None:
-    """TP 2 rank: greedy steps of `PROMPTS` in bf16 with the fp32 reduce (``KVPILOT_TP_REDUCE_FP32=1``)
-    and with the default bf16 one (variable unset), and in float32; rank 0 also runs the single-process model
+    """TP 2 rank: greedy steps of `PROMPTS` in bf16 with the fp32 reduce (``Tuning(tp_reduce_fp32=True)``,
+    mode "1") and with the default bf16 one (mode None), and in float32; rank 0 also runs the single-process model
     in both dtypes. Results: {"tp": {(dtype, mode): (logits, tokens, reduce_fp32 flag)}, "single":
     {dtype: (logits, tokens)}, "o_bias": this rank's loaded o_proj bias of layer 0,
     "down_bias": its down_proj bias of layer 0}."""
@@ -111,12 +112,7 @@ def tp_reduce_rank(rank: int, init_method: str, model_dir: str, conn) -> None:
         res = {"tp": {}, "single": {}}
         with torch.inference_mode():
             for dtype, mode in (("bfloat16", "1"), ("bfloat16", None), ("float32", "1")):
-                if mode is None:
-                    os.environ.pop("KVPILOT_TP_REDUCE_FP32", None)
-                else:
-                    os.environ["KVPILOT_TP_REDUCE_FP32"] = mode
-                runner = _runner(model_dir, dtype, pc)
-                os.environ.pop("KVPILOT_TP_REDUCE_FP32", None)  # read at construction: no effect now
+                runner = _runner(model_dir, dtype, pc, tuning=Tuning(tp_reduce_fp32=mode == "1"))
                 flag = runner.model.layers[0].mlp.reduce_fp32
                 assert all(layer.self_attn.reduce_fp32 is flag and layer.mlp.reduce_fp32 is flag
                            for layer in runner.model.layers)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from kvpilot.sampling.sampler import _Draw
 
 
-def _kernel_draw(logits, rows, n_pivot="engine", **config):
+def _kernel_draw(logits, rows, n_pivot="engine", check=False, **config):
     """Raw output of kvpilot.kernels.sampling.draw (-1 = handed to the exact path), the rows laid out
     as the engine's sampler sends them (``n_pivot="engine"``: its count of pivot rows), or with
-    any other ``n_pivot`` (None: draw finds them), under ``CONFIG`` overrides ``config``."""
+    any other ``n_pivot`` (None: draw finds them), under ``CONFIG`` overrides ``config``; ``check``:
+    draw's index checks (`kvpilot.kernels.sampling.draw`)."""
     from kvpilot.kernels import sampling as ks
 
     saved = dict(ks.CONFIG)
@@ -18,7 +19,7 @@ def _kernel_draw(logits, rows, n_pivot="engine", **config):
         fprm, iprm, order = d.tensors(logits.device)
         n = len(d.plain) + len(d.greedy)
         return ks.draw(logits, fprm, iprm, order[:n], order[n:],
-                       n_pivot=d.n_pivot if n_pivot == "engine" else n_pivot).tolist()
+                       n_pivot=d.n_pivot if n_pivot == "engine" else n_pivot, check=check).tolist()
     finally:
         ks.CONFIG.clear()
         ks.CONFIG.update(saved)

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
+from kvpilot.tuning import Tuning
 
 
 _LONG = "Once upon a time there was a little girl named Lily. " * 9  # ~120 tokens: two prefill chunks at 64
@@ -27,17 +28,21 @@ def _s(m: int, seed: int = 1, **kw) -> SamplingParams:
 
 
 
-def _build(model_dir, kv_tokens=None, **env) -> LLM:
-    """A TP-2 CPU `LLM` with asynchronous steps (and ``env`` set while it is built)."""
+def _build(model_dir, kv_tokens=None, env=None, step_timeout_s=None, **tuning) -> LLM:
+    """A TP-2 CPU `LLM` with asynchronous steps: `Tuning` fields ``tuning`` over
+    ``async_scheduling=True``, the environment variables ``env`` set while it is built (the workers
+    inherit them), the front end's step timeout cut to ``step_timeout_s`` when given."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
-    for k, v in env.items():
+    for k, v in (env or {}).items():
         mp.setenv(k, v)
     try:
         llm = LLM(str(model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=6, max_num_tokens=64,
-                  kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=kv_tokens))
+                  kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=kv_tokens),
+                  tuning=Tuning(**{"async_scheduling": True, **tuning}))
     finally:
         mp.undo()
+    if step_timeout_s is not None:
+        llm._executor._step_timeout = step_timeout_s
     assert llm._executor.defers_logits and llm._core.async_scheduling
     return llm
 

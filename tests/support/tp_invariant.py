@@ -36,7 +36,7 @@ def make_gqa_llama(path: Path, seed: int = 5, vocab: int = 385, bias: bool = Tru
     return path
 
 
-# (KVPILOT_TP_INVARIANT or None for unset, KVPILOT_FUSED_GEMV) of each TP 2 model `invariant_rank` builds.
+# (`Tuning.tp_invariant` or None for 0, `Tuning.fused_gemv` "1"/"0") of each TP 2 model `invariant_rank` builds.
 TP2_CASES = [(None, "1"), ("2", "1"), ("2", "0"), ("4", "1"), ("4", "0")]
 # Each single-process model rank 0 builds too.
 SINGLE_CASES = [(None, "1"), ("2", "1"), ("2", "0"), ("4", "1"), ("4", "0")]
@@ -45,16 +45,9 @@ SINGLE_CASES = [(None, "1"), ("2", "1"), ("2", "0"), ("4", "1"), ("4", "0")]
 def _build(model_dir: str, dtype: str, pc, invariant, fused: str):
     from support.parallel_exact import _runner
 
-    if invariant is None:
-        os.environ.pop("KVPILOT_TP_INVARIANT", None)
-    else:
-        os.environ["KVPILOT_TP_INVARIANT"] = invariant
-    os.environ["KVPILOT_FUSED_GEMV"] = fused
-    try:
-        return _runner(model_dir, dtype, pc)
-    finally:  # read once, when the model is built
-        os.environ.pop("KVPILOT_TP_INVARIANT", None)
-        os.environ.pop("KVPILOT_FUSED_GEMV", None)
+    from kvpilot.tuning import Tuning
+
+    return _runner(model_dir, dtype, pc, tuning=Tuning(tp_invariant=int(invariant or 0), fused_gemv=fused == "1"))
 
 
 def invariant_rank(rank: int, init_method: str, model_dir: str, world: int, conn) -> None:
@@ -88,3 +81,27 @@ def invariant_rank(rank: int, init_method: str, model_dir: str, world: int, conn
         _send(conn, ("ok", rank, res))
     except BaseException as e:  # noqa: BLE001 - report anything to the test
         _send(conn, ("error", rank, "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+
+
+def set_tuning(monkeypatch, **fields) -> None:
+    """Merge ``fields`` into ``KVPILOT_TUNING`` (None: remove that field), as a benchmark's engine
+    would get them; `tuning_now` reads the result for models built without `LLM`."""
+    import json
+
+    current = json.loads(os.environ.get("KVPILOT_TUNING") or "{}")
+    for k, v in fields.items():
+        if v is None:
+            current.pop(k, None)
+        else:
+            current[k] = v
+    if current:
+        monkeypatch.setenv("KVPILOT_TUNING", json.dumps(current))
+    else:
+        monkeypatch.delenv("KVPILOT_TUNING", raising=False)
+
+
+def tuning_now():
+    """`Tuning.from_env` (the record an `LLM` would build now)."""
+    from kvpilot.tuning import Tuning
+
+    return Tuning.from_env()

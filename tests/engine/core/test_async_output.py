@@ -1,5 +1,5 @@
 """Asynchronous output processing (engine_core's fast/slow split): the same results as the
-synchronous engine (``KVPILOT_ASYNC_OUTPUT=0``), dropped tokens after late stop strings, aborts
+synchronous engine (``Tuning(async_output=False)``), dropped tokens after late stop strings, aborts
 between the two parts, and final results that never wait for another step.
 
 The tests drive an `EngineCore` by hand on the test thread (its loop thread is stopped), so that
@@ -9,12 +9,15 @@ path in every other engine, sampling and server test.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
 from kvpilot.core.detokenizer import hold_back_len
-from kvpilot.core.engine_core import async_output_enabled
+from kvpilot.core.engine_core import EngineCore
+from kvpilot.tuning import Tuning
 from support.async_engine import _choice, _close
 
 GREEDY_LONG = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
@@ -78,13 +81,15 @@ def _updates(out) -> list:
     return ups
 
 
-def test_env_switch(monkeypatch):
-    monkeypatch.delenv("KVPILOT_ASYNC_OUTPUT", raising=False)
-    assert async_output_enabled()
-    monkeypatch.setenv("KVPILOT_ASYNC_OUTPUT", "0")
-    assert not async_output_enabled()
-    monkeypatch.setenv("KVPILOT_ASYNC_OUTPUT", "1")
-    assert async_output_enabled()
+def test_tuning_switch(monkeypatch):
+    """On by default; ``Tuning(async_output=False)`` (or ``KVPILOT_TUNING``, read by `LLM`) turns it
+    off; the constructor argument wins over both."""
+    ex = SimpleNamespace(num_blocks=8, block_size=4)
+    assert EngineCore(ex, None, [0], 16, 2, 32, True).async_output
+    assert not EngineCore(ex, None, [0], 16, 2, 32, True, tuning=Tuning(async_output=False)).async_output
+    assert EngineCore(ex, None, [0], 16, 2, 32, True, async_output=True, tuning=Tuning(async_output=False)).async_output
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_output": false}')
+    assert Tuning.from_env() == Tuning(async_output=False)
 
 
 @pytest.mark.parametrize("streaming", [True, False])

@@ -1,7 +1,7 @@
 """Async scheduling (engine_core's module docstring): step N+1 is planned and launched before step
 N's sampled tokens are read, its in-flight input ids gathered on the device.
 
-Every test forces it on (``KVPILOT_ASYNC_SCHEDULING=1``; it is off by default on CPU) and compares
+Every test forces it on (``KVPILOT_TUNING='{"async_scheduling": true}'``; it is off by default on CPU) and compares
 with the synchronous engine (the same engine object with ``async_scheduling`` off), driving
 `EngineCore.step` by hand on the test thread (the loop thread is stopped) so that both modes see the
 same submissions. Each test also checks that the async branch really ran (``num_overlapped_steps``).
@@ -11,13 +11,16 @@ rounding (the asynchronous engine computes a dropped row for sequences that end,
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from support.engine import GOLDEN, make_tiny_llama
 from support.async_engine import _choice, _close
 from kvpilot import LLM, KvCacheConfig, RequestAborted, SamplingParams
-from kvpilot.core.engine_core import async_scheduling_enabled
+from kvpilot.core.engine_core import EngineCore
+from kvpilot.tuning import Tuning
 from kvpilot.core.kv_cache_manager import KVCacheManager
 from kvpilot.sampling.sampler import Sampler, SamplingRow
 from kvpilot.core.scheduler import Scheduler
@@ -27,7 +30,7 @@ from support.async_engine import _drain, _assert_same, _MIX, _PENALTIES, _minus_
 
 @pytest.fixture(autouse=True)
 def _forced_on(monkeypatch):
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
 
 
 def _hand_llm(model_dir, kv_tokens=None, **kw) -> LLM:
@@ -88,14 +91,15 @@ def _both(llm, mix, copies: int = 1):
     return _run(llm, mix, False, copies), _run(llm, mix, True, copies)
 
 
-def test_env_switch(stories_model_dir, monkeypatch):
-    monkeypatch.delenv("KVPILOT_ASYNC_SCHEDULING")
-    assert async_scheduling_enabled(True) and not async_scheduling_enabled(False)
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "0")
-    assert not async_scheduling_enabled(True)
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
-    assert async_scheduling_enabled(False)
-    monkeypatch.delenv("KVPILOT_ASYNC_SCHEDULING")
+def test_tuning_switch(stories_model_dir, monkeypatch):
+    """``Tuning.async_scheduling`` None: on with a CUDA executor, off on CPU; True/False force it."""
+    def core(device, value):
+        ex = SimpleNamespace(num_blocks=8, block_size=4, device=device)
+        return EngineCore(ex, None, [0], 16, 2, 32, True, tuning=Tuning(async_scheduling=value)).async_scheduling
+
+    assert core("cuda", None) and not core("cpu", None)
+    assert not core("cuda", False) and core("cpu", True)
+    monkeypatch.delenv("KVPILOT_TUNING")
     with LLM(str(stories_model_dir), max_batch_size=2) as llm:  # CPU: off by default
         assert not llm._core.async_scheduling
         assert llm._executor.supports_async_scheduling

@@ -1,4 +1,4 @@
-"""Aborts and preemption under asynchronous scheduling (``KVPILOT_ASYNC_SCHEDULING=1``), compared with
+"""Aborts and preemption under asynchronous scheduling (``Tuning(async_scheduling=True)``), compared with
 the synchronous engine on CPU.
 
 - An abort that reads the in-flight step (`EngineCore.abort_request`) runs on the engine thread
@@ -19,7 +19,7 @@ from kvpilot.core.engine_loop import EngineLoop
 
 @pytest.fixture(autouse=True)
 def _forced_on(monkeypatch):
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
 
 
 def _hand_llm(model_dir, kv_tokens=None) -> LLM:
@@ -126,7 +126,7 @@ def test_tokens_read_by_an_abort_are_counted_in_the_stats(stories_model_dir, asy
 
 
 def test_beam_request_preempted_behind_a_request_that_does_not_fit_finishes(stories_model_dir, monkeypatch):
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "0")  # the synchronous engine hangs the same way
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": false}')  # the synchronous engine hangs the same way
     llm = LLM(str(stories_model_dir), max_batch_size=8, max_num_tokens=64,
               kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=128))
     llm._loop.stop()

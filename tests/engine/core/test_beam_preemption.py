@@ -247,7 +247,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_gpu_beams_under_preemption_at_batch_scale(tiny, monkeypatch, async_scheduling):
     d, model = tiny
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": %s}' % ("true" if async_scheduling else "false"))
     prompts = [[1, 5, 9, 11], [1, 40, 41], [1, 7], [1, 60, 61, 62, 63]]
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=24)
     seeded = SamplingParams(temperature=0.9, seed=5, n=2, best_of=3, max_tokens=48, ignore_eos=True)

@@ -250,7 +250,7 @@ def _batch_scale(d, device: str, async_scheduling: bool, reuse: bool, monkeypatc
     """8 beam requests (4 beams, 41-token prompts: 2 full blocks of 16 to share) and 8 long greedy
     requests in a 40-block pool (a quarter of their demand): every request returns what it returns
     in a pool that needs no preemption, and re-admitted beams share blocks inside their group."""
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": %s}' % ("true" if async_scheduling else "false"))
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=24, ignore_eos=True)
     greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     items = [([1] + [(7 * i + j) % 90 + 3 for j in range(40)], sp) for i in range(8) for sp in (beam, greedy)]

@@ -142,7 +142,7 @@ def test_gpu_beam_requests_with_a_budget_of_their_width(tiny, monkeypatch, async
     """8 beam requests of width 4 (41-token prompts) with ``max_num_tokens`` 4 on the CUDA engine: each
     returns what it returns with a large budget."""
     d, _model = tiny
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1" if async_scheduling else "0")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": %s}' % ("true" if async_scheduling else "false"))
     beam = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=16, ignore_eos=True)
     items = [([1] + [(7 * i + j) % 90 + 3 for j in range(40)], beam) for i in range(8)]
 

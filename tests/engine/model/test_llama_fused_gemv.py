@@ -1,4 +1,4 @@
-"""The Llama decoder layer routed through the fused decode GEMVs (``KVPILOT_FUSED_GEMV``).
+"""The Llama decoder layer routed through the fused decode GEMVs (``Tuning.fused_gemv``).
 
 - CPU: the dispatchers run the unfused ops, so a tiny random Llama (with and without
   ``attention_bias`` / ``mlp_bias``) gives bit-identical logits and KV caches with the switch on and
@@ -24,6 +24,7 @@ from kvpilot.model import llama
 from kvpilot.model.config import ModelConfig
 from kvpilot.kernels import gemv as G
 from kvpilot.runner.model_runner import ModelRunner, ScheduledSeq
+from kvpilot.tuning import Tuning
 from support.engine import _checkpoint
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -40,10 +41,9 @@ def ckpts(tmp_path_factory):
 
 
 def _runner(path: Path, fused: bool, monkeypatch, dtype: str = "float32") -> ModelRunner:
-    monkeypatch.setenv("KVPILOT_FUSED_GEMV", "1" if fused else "0")
     runner = ModelRunner(path, ModelConfig.from_dir(path), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256),
-                         max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype)
-    monkeypatch.delenv("KVPILOT_FUSED_GEMV")  # read once at construction: the model keeps its setting
+                         max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype,
+                         tuning=Tuning(fused_gemv=fused))
     assert runner.model.fused_gemv is fused and all(layer.fused_gemv is fused for layer in runner.model.layers)
     return runner
 
@@ -262,10 +262,10 @@ def test_gpu_engine_decode_graphs_switch_on_and_off(ckpts, bias, monkeypatch):
     # The engine's captured decode graphs (batch 1 and 2 use the Triton kernels) against the
     # unfused model, fp32: the same greedy tokens and logits within fp32 summation-order noise.
     def runner(fused):
-        monkeypatch.setenv("KVPILOT_FUSED_GEMV", "1" if fused else "0")
         path = ckpts[bias]
         r = ModelRunner(path, ModelConfig.from_dir(path), KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256),
-                        max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cuda", dtype="float32")
+                        max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cuda", dtype="float32",
+                        tuning=Tuning(fused_gemv=fused))
         assert r.graphs is not None and r.model.fused_gemv is fused
         return r
 

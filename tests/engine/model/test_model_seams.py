@@ -173,6 +173,6 @@ def test_tp_invariant_mode_is_refused_for_families_without_shard_layers(tmp_path
     path = tmp_path / "qwen2"
     Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(str(path))
-    monkeypatch.setenv("KVPILOT_TP_INVARIANT", "2")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_invariant": 2}')
     with pytest.raises(ValueError, match="Llama only, not Qwen2ForCausalLM"):
         Ours(ModelConfig.from_dir(path))

@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py), on CPU.
+"""Tensor-parallel-invariant mode (``Tuning(tp_invariant=T)``, engine/model/tp_invariant.py), on CPU.
 
 Every layout computes a TP-``T`` group's decomposition, so in bf16:
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from support.parallel_exact import DECODE_STEPS, spawn_ranks
-from support.tp_invariant import invariant_rank, make_gqa_llama
+from support.tp_invariant import set_tuning, tuning_now, invariant_rank, make_gqa_llama
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.model_runner import ModelRunner
@@ -39,17 +39,15 @@ def gqa_model(tmp_path_factory) -> Path:
 
 
 def _set_invariant(monkeypatch, value) -> None:
-    if value is None:
-        monkeypatch.delenv("KVPILOT_TP_INVARIANT", raising=False)
-    else:
-        monkeypatch.setenv("KVPILOT_TP_INVARIANT", value)
+    """``KVPILOT_TUNING``'s ``tp_invariant`` set to ``value`` (None: removed), other fields kept."""
+    set_tuning(monkeypatch, tp_invariant=None if value is None else int(value))
 
 
 def _meta_model(cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
     from kvpilot.model.llama import LlamaForCausalLM, ParallelContext
 
     with torch.device("meta"):
-        return LlamaForCausalLM(cfg, ParallelContext(tp_rank, tp_size, None))
+        return LlamaForCausalLM(cfg, ParallelContext(tp_rank, tp_size, None), tuning=tuning_now())
 
 
 def _cpu_runner(model_dir: Path, dtype: str = "bfloat16", tp_rank: int = 0, tp_size: int = 1) -> ModelRunner:
@@ -57,25 +55,24 @@ def _cpu_runner(model_dir: Path, dtype: str = "bfloat16", tp_rank: int = 0, tp_s
 
     pc = None if tp_size == 1 else ParallelContext(tp_rank, tp_size, None)  # building needs no process group
     return ModelRunner(model_dir, ModelConfig.from_dir(model_dir), KvCacheConfig(tokens_per_block=8, max_tokens=256),
-                       max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc)
+                       max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc,
+                       tuning=tuning_now())
 
 
 # ---- the switch and its validation ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value,want", [(None, 0), ("", 0), ("0", 0), ("1", 1), ("2", 2), (" 4 ", 4)])
+@pytest.mark.parametrize("value,want", [(None, 0), ("0", 0), ("1", 1), ("2", 2), (" 4 ", 4)])
 def test_switch_values(monkeypatch, value, want):
-    from kvpilot.model.tp_invariant import tp_invariant_size
-
     _set_invariant(monkeypatch, value)
-    assert tp_invariant_size() == want
+    assert tuning_now().tp_invariant == want
 
 
-@pytest.mark.parametrize("value", ["two", "1.5", "-2", "true"])
-def test_switch_must_be_an_integer(monkeypatch, gqa_model, value):
-    _set_invariant(monkeypatch, value)
-    with pytest.raises(ValueError, match="KVPILOT_TP_INVARIANT must be a non-negative integer"):
-        _meta_model(ModelConfig.from_dir(gqa_model))
+@pytest.mark.parametrize("value", ['"two"', "1.5", "-2", "true"])
+def test_switch_must_be_an_integer(monkeypatch, value):
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_invariant": %s}' % value)
+    with pytest.raises(ValueError, match=r"KVPILOT_TUNING: .*tp_invariant"):
+        tuning_now()
 
 
 @pytest.mark.parametrize("value,tp,match", [
@@ -105,7 +102,7 @@ def test_bad_invariant_size_fails_when_an_llm_starts(monkeypatch, gqa_model):
     from kvpilot import LLM
 
     _set_invariant(monkeypatch, "3")
-    with pytest.raises(ValueError, match="KVPILOT_TP_INVARIANT=3 must divide num_attention_heads"):
+    with pytest.raises(ValueError, match="tp_invariant=3 must divide num_attention_heads"):
         LLM(str(gqa_model), skip_tokenizer_init=True, device="cpu")
 
 
@@ -114,7 +111,7 @@ def test_switch_is_read_once_and_overrides_the_fp32_reduction(monkeypatch, gqa_m
     from kvpilot.model.tp_invariant import InvariantDecoderLayer
 
     cfg = ModelConfig.from_dir(gqa_model)
-    monkeypatch.setenv("KVPILOT_TP_REDUCE_FP32", "1")
+    set_tuning(monkeypatch, tp_reduce_fp32=True)
     _set_invariant(monkeypatch, "4")
     model = _meta_model(cfg, 1, 2)
     _set_invariant(monkeypatch, None)  # read at construction: no effect now

@@ -1,5 +1,5 @@
 """Two GPUs (NCCL), bf16, four layers of Llama-3.1-8B's shape (random weights): one GPU with
-``KVPILOT_TP_INVARIANT=2`` gives TP 2's greedy tokens and logprobs exactly (engine/model/tp_invariant.py),
+``Tuning(tp_invariant=2)`` gives TP 2's greedy tokens and logprobs exactly (engine/model/tp_invariant.py),
 one request at a time (prefill graphs and padded eager prefill, a 300-token prompt past the graphs, decode
 graphs) and five requests at once (decode graphs at batch 5, mixed steps); one GPU without the mode
 does not. With ``T = 4`` TP 2 (two shards per rank, the all-gather sum) gives one GPU's tokens.
@@ -31,10 +31,7 @@ def model_dir(tmp_path_factory):
 
 def _run(model_dir, tp: int, invariant, monkeypatch):
     """(one at a time, all at once): each a list of (token ids, chosen-token logprobs) per prompt."""
-    if invariant is None:
-        monkeypatch.delenv("KVPILOT_TP_INVARIANT", raising=False)
-    else:
-        monkeypatch.setenv("KVPILOT_TP_INVARIANT", invariant)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_invariant": %d}' % int(invariant or 0))
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 128256, (n,), generator=g).tolist() for n in LENGTHS]
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0)
@@ -42,8 +39,6 @@ def _run(model_dir, tp: int, invariant, monkeypatch):
              max_batch_size=8, max_seq_len=1024, kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.3)) as llm:
         alone = [llm.generate(p, params) for p in prompts]
         together = llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.delenv("KVPILOT_TP_INVARIANT", raising=False)
-
     def pick(outs):
         return [(o.outputs[0].token_ids, [next(iter(d.values())).logprob for d in o.outputs[0].logprobs])
                 for o in outs]

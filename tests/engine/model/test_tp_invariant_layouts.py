@@ -1,4 +1,4 @@
-"""Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``, engine/model/tp_invariant.py) across layouts.
+"""Tensor-parallel-invariant mode (``Tuning.tp_invariant``, engine/model/tp_invariant.py) across layouts.
 
 - A tied model whose stage holds both ends keeps the vocabulary matrix once: the embedding reads its
   rows from the LM head shards (`tp_invariant.InvariantTiedEmbedding`); the parameters are the default
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.tp_invariant import make_gqa_llama
+from support.tp_invariant import set_tuning, tuning_now, make_gqa_llama
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
 from kvpilot.runner.model_runner import ModelRunner
@@ -29,22 +29,21 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _set_invariant(monkeypatch, value) -> None:
-    if value is None:
-        monkeypatch.delenv("KVPILOT_TP_INVARIANT", raising=False)
-    else:
-        monkeypatch.setenv("KVPILOT_TP_INVARIANT", value)
+    """``KVPILOT_TUNING``'s ``tp_invariant`` set to ``value`` (None: removed), other fields kept."""
+    set_tuning(monkeypatch, tp_invariant=None if value is None else int(value))
 
 
 def _runner(model_dir: Path, value, dtype: str = "bfloat16", tp_rank: int = 0, tp_size: int = 1,
             monkeypatch=None) -> ModelRunner:
-    """A CPU runner built with ``KVPILOT_TP_INVARIANT=value`` (None: unset); building and loading a
+    """A CPU runner built with ``Tuning(tp_invariant=value)`` (None: 0); building and loading a
     tensor-parallel rank needs no process group."""
     from kvpilot.model.llama import ParallelContext
 
     _set_invariant(monkeypatch, value)
     pc = None if tp_size == 1 else ParallelContext(tp_rank, tp_size, None)
     runner = ModelRunner(model_dir, ModelConfig.from_dir(model_dir), KvCacheConfig(tokens_per_block=8, max_tokens=256),
-                         max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc)
+                         max_num_tokens=64, max_batch_size=4, max_seq_len=64, device="cpu", dtype=dtype, pc=pc,
+                         tuning=tuning_now())
     _set_invariant(monkeypatch, None)
     return runner
 
@@ -103,13 +102,12 @@ def test_tied_embedding_over_two_ranks_sums_to_the_rows(monkeypatch, tied_model)
 def test_check_tp_invariant_accepts(monkeypatch, tied_model, value, tp, want):
     from kvpilot.model.tp_invariant import check_tp_invariant
 
-    _set_invariant(monkeypatch, value)
-    assert check_tp_invariant(ModelConfig.from_dir(tied_model), tp) == want
+    assert check_tp_invariant(ModelConfig.from_dir(tied_model), tp, int(value or 0)) == want
 
 
 @pytest.mark.parametrize("value,tp,match", [
-    ("x", 2, "must be a non-negative integer"),
-    ("-4", 2, "must be a non-negative integer"),
+    ('"x"', 2, "tp_invariant must be int"),
+    ("-4", 2, "tp_invariant must be >= 0"),
     ("3", 2, "must be a multiple of tensor_parallel_size 2"),
     ("1", 2, "must be a multiple of tensor_parallel_size 2"),
     ("8", 2, "must divide num_key_value_heads 4"),
@@ -118,9 +116,9 @@ def test_check_tp_invariant_accepts(monkeypatch, tied_model, value, tp, want):
 def test_check_tp_invariant_rejects(monkeypatch, tied_model, value, tp, match):
     from kvpilot.model.tp_invariant import check_tp_invariant
 
-    _set_invariant(monkeypatch, value)
-    with pytest.raises(ValueError, match=match):
-        check_tp_invariant(ModelConfig.from_dir(tied_model), tp)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_invariant": %s}' % value)
+    with pytest.raises(ValueError, match=match):  # the hook's parse, or the check a front end runs
+        check_tp_invariant(ModelConfig.from_dir(tied_model), tp, tuning_now().tp_invariant)
 
 
 def test_bad_invariant_size_at_tp2_fails_fast_with_its_message(monkeypatch, tied_model):
@@ -129,7 +127,7 @@ def test_bad_invariant_size_at_tp2_fails_fast_with_its_message(monkeypatch, tied
 
     _set_invariant(monkeypatch, "3")
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="KVPILOT_TP_INVARIANT=3 must be a multiple of "
+    with pytest.raises(ValueError, match="tp_invariant=3 must be a multiple of "
                                          "tensor_parallel_size 2"):
         LLM(str(tied_model), tensor_parallel_size=2, device="cpu", skip_tokenizer_init=True, max_seq_len=64)
     assert time.monotonic() - t0 < 30
@@ -169,14 +167,13 @@ def _llm_run(monkeypatch, model_dir: Path, tp: int, pp: int, value, micro: bool 
     shared = [1] + torch.randint(3, 385, (40,), generator=g).tolist()
     prompts = [shared + torch.randint(3, 385, (n,), generator=g).tolist() for n in (3, 11, 7)]
     _set_invariant(monkeypatch, value)
-    monkeypatch.setenv("KVPILOT_PP_MICROBATCH", "1" if micro else "0")
+    set_tuning(monkeypatch, pp_microbatch=micro)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2, return_generation_logits=True)
     with LLM(str(model_dir), tensor_parallel_size=tp, pipeline_parallel_size=pp, device="cpu", dtype="bfloat16",
              max_seq_len=128, max_num_tokens=64, max_batch_size=8, skip_tokenizer_init=True,
              kv_cache_config=KvCacheConfig(tokens_per_block=8)) as llm:
         rounds = [llm.generate(prompts[:1], params, use_tqdm=False), llm.generate(prompts[1:], params, use_tqdm=False)]
-    _set_invariant(monkeypatch, None)
-    monkeypatch.delenv("KVPILOT_PP_MICROBATCH", raising=False)
+    set_tuning(monkeypatch, tp_invariant=None, pp_microbatch=None)
     return [[(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
               o.outputs[0].generation_logits.float()) for o in outs] for outs in rounds]
 
@@ -225,7 +222,7 @@ def _invariant_agreement_rank(rank: int, port: int, sizes: list, out) -> None:
 
 @pytest.mark.parametrize("sizes", [[2, 2], [0, 2]])
 def test_ranks_that_disagree_on_the_invariant_size_refuse_to_start(sizes):
-    """Pods of a LeaderWorkerSet group read KVPILOT_TP_INVARIANT from their own environment: ranks
+    """Pods of a LeaderWorkerSet group read KVPILOT_TUNING from their own environment: ranks
     built with different values would pair an all-gather with an all-reduce, so every rank raises."""
     import socket
 
@@ -245,5 +242,5 @@ def test_ranks_that_disagree_on_the_invariant_size_refuse_to_start(sizes):
     if sizes[0] == sizes[1]:
         assert got == {0: "ok", 1: "ok"}
     else:
-        assert all("ranks disagree on KVPILOT_TP_INVARIANT: values from 0 to 2" in got[r] for r in (0, 1))
+        assert all("ranks disagree on Tuning.tp_invariant: values from 0 to 2" in got[r] for r in (0, 1))
         assert "this rank: 0" in got[0] and "this rank: 2" in got[1]

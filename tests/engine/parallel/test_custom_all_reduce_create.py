@@ -35,9 +35,8 @@ def _rank(rank: int, port: int, q) -> None:
 
     from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
-    for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "KVPILOT_TP_CUSTOM_ALLREDUCE"):
+    for k in ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.pop(k, None)
-    os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"] = str(MAX_TOKENS)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
     group = dist.new_group([0, 1])
@@ -79,7 +78,8 @@ def _rank(rank: int, port: int, q) -> None:
         case["name"] = name
         seen.clear()
         try:
-            car = CustomAllReduce.create(group, rank, 2, torch.device("cuda", rank), SITES, HIDDEN)
+            car = CustomAllReduce.create(group, rank, 2, torch.device("cuda", rank), SITES, HIDDEN,
+                                         max_tokens=MAX_TOKENS)
             res = None if car is None else (tuple(car.recv.shape), tuple(car.peer_recv.shape))
         except Exception as exc:  # noqa: BLE001 - the test reports it
             res = f"raised {type(exc).__name__}: {exc}"

@@ -6,7 +6,7 @@ Two processes, one GPU each:
 1. Both ranks get buffers, with no NVLink multicast mapping (the engine turns multicast off itself);
    one-shot sums of 1, 64 and the default 256 tokens of a 4096-wide bf16 tensor equal NCCL's bit for bit
    on both ranks, and 257 tokens are not taken.
-2. ``KVPILOT_TP_CUSTOM_ALLREDUCE=0`` on one rank only: both ranks keep NCCL, and the next NCCL
+2. ``Tuning.tp_custom_allreduce`` False on one rank only: both ranks keep NCCL, and the next NCCL
    all-reduce still pairs up (no rank waits in a collective its peer never makes).
 3. No peer access reported on one rank (as between MIG instances or PCIe GPUs without P2P; faked
    here): both ranks keep NCCL, and the next all-reduce pairs up.
@@ -37,7 +37,6 @@ def _next_all_reduce(rank: int, group, dev) -> int:
 
 def _rank(rank: int, port: int, q) -> None:
     os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"  # this workplace's rule, whatever the engine does
-    os.environ.pop("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", None)
     from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
     torch.cuda.set_device(rank)
@@ -66,10 +65,8 @@ def _rank(rank: int, port: int, q) -> None:
         report["takes_257"] = car.fits(torch.empty(257, HIDDEN, device=dev, dtype=torch.bfloat16), 0)
     torch.cuda.synchronize()
     # 2. switched off on rank 1 only
-    os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE"] = "0" if rank == 1 else "1"
-    report["off_on_one"] = CustomAllReduce.create(group, rank, 2, dev, SITES, HIDDEN) is None
+    report["off_on_one"] = CustomAllReduce.create(group, rank, 2, dev, SITES, HIDDEN, enabled=rank != 1) is None
     report["after_off_on_one"] = _next_all_reduce(rank, group, dev)
-    os.environ.pop("KVPILOT_TP_CUSTOM_ALLREDUCE")
     # 3. no peer access reported on rank 0
     real = torch.cuda.can_device_access_peer
     report["peer_access"] = bool(real(rank, 1 - rank))

@@ -4,7 +4,7 @@
   float32, eagerly and inside a CUDA graph of 65 call sites replayed with fresh inputs, the one-shot
   sum is bit for bit NCCL's, on both ranks; more than 64 tokens is not taken.
 - Engine: TP 2 with the one-shot kernel (the default) gives exactly the tokens and logprobs of TP 2
-  with NCCL only (``KVPILOT_TP_CUSTOM_ALLREDUCE=0``): both sum two bf16 partials in float32 and
+  with NCCL only (``Tuning(tp_custom_allreduce=False)``): both sum two bf16 partials in float32 and
   round once.
 
 Skipped without two CUDA GPUs.
@@ -37,8 +37,7 @@ def _kernel_rank(rank: int, port: int, q) -> None:
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, device_id=dev)
     group = dist.new_group([0, 1])
-    os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"] = "64"
-    car = CustomAllReduce.create(group, rank, 2, dev, SITES, HIDDEN)
+    car = CustomAllReduce.create(group, rank, 2, dev, SITES, HIDDEN, max_tokens=64)
     report = {"created": car is not None, "mismatch": [], "declined_65": None}
     g = torch.Generator(device=dev).manual_seed(rank)
     # eager: several sizes and dtypes, each site once per "forward"
@@ -109,7 +108,7 @@ def test_one_shot_kernel_matches_nccl_bit_for_bit():
 
 
 def _generate(model_dir, monkeypatch, custom: str):  # noqa: F811
-    monkeypatch.setenv("KVPILOT_TP_CUSTOM_ALLREDUCE", custom)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_custom_allreduce": %s}' % ("true" if custom == "1" else "false"))
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 40, 130)]
     out = []
@@ -122,7 +121,6 @@ def _generate(model_dir, monkeypatch, custom: str):  # noqa: F811
             out.append((o.token_ids, [next(iter(lp.values())).logprob for lp in o.logprobs]))
         batch = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
         out.append([o.outputs[0].token_ids for o in batch])
-    monkeypatch.delenv("KVPILOT_TP_CUSTOM_ALLREDUCE")
     return out
 
 

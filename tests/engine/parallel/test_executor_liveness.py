@@ -139,7 +139,8 @@ def test_gpu_dead_tp_peer_fails_requests_quickly(tmp_path, event):
     torch.cuda.empty_cache()
     script = tmp_path / "fault.py"
     script.write_text(_FAULT_SCRIPT)
-    env = {**os.environ, "KVPILOT_LOGITS_EVENT": event, "KVPILOT_DIST_TIMEOUT_S": "300"}
+    env = {**os.environ, "KVPILOT_TUNING": '{"logits_event": %s}' % ("true" if event == "1" else "false"),
+           "KVPILOT_DIST_TIMEOUT_S": "300"}
     proc = subprocess.run([sys.executable, str(script), str(model), "45"], capture_output=True, text=True,
                           timeout=240, cwd=str(tmp_path), env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("MODE", "RESULT"))]

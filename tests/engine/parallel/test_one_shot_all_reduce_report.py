@@ -6,9 +6,8 @@
   reported as taking the one-shot kernel. Two CPU processes (gloo) run the real `worker_main` with a
   stand-in `Worker` (the one-shot kernel needs two GPUs): rank 0 with a pipe and the kernel, rank 1
   (another pod: no pipe) without.
-- `make_worker_spec` checks ``KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS`` exactly where a worker would
-  read it: not for TP 2 with one rank per pod (each TP group spans pods: NCCL) or on ROCm, where a
-  bad value has no effect and refusing to start is wrong; still on one node with TP 2 on CUDA."""
+- A bad ``Tuning.tp_custom_allreduce_max_tokens`` is refused where the record is built, before any
+  worker starts; `make_worker_spec` carries the record to every rank, whatever the layout."""
 
 from __future__ import annotations
 
@@ -90,7 +89,7 @@ def test_ready_message_reports_the_one_shot_all_reduce_of_every_rank_not_only_pi
     assert ready_messages["both_with_kernel"][3] == {"one_shot_all_reduce": True}
 
 
-# ---- make_worker_spec's check of KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS ------------------------------
+# ---- the one-shot kernel's size cap: a Tuning field, checked before any worker starts ---------------
 
 def _cfg():
     from kvpilot.model.config import ModelConfig
@@ -101,45 +100,38 @@ def _cfg():
                        tie_word_embeddings=False, torch_dtype="float32", bos_token_id=1, eos_token_ids=[2])
 
 
-def _spec(tp: int, pp: int, device: str, pods: int = 1):
+def _spec(tp: int, pp: int, device: str, pods: int = 1, tuning=None):
     from kvpilot.config import KvCacheConfig
     from kvpilot.parallel.executor import LwsGroup, make_worker_spec
 
     group = LwsGroup("10.0.0.1", pods, 0, 29500) if pods > 1 else None
     return make_worker_spec(Path("/nonexistent"), _cfg(), KvCacheConfig(), 64, 4, 128, device, "float32",
-                            tp, pp, group)
+                            tp, pp, group, tuning)
 
 
-@pytest.fixture
-def bad_max_tokens(monkeypatch):
-    monkeypatch.setenv("KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS", "lots")
-    monkeypatch.delenv("KVPILOT_TP_CUSTOM_ALLREDUCE", raising=False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # make_worker_spec's GPU count check
-    monkeypatch.setattr(torch.version, "hip", None)
+@pytest.mark.parametrize("value,error", [("0", ValueError), ("-3", ValueError), ('"lots"', ValueError)])
+def test_bad_max_tokens_fails_before_any_worker_starts(monkeypatch, value, error):
+    """A bad ``tp_custom_allreduce_max_tokens`` is refused where the record is built (``KVPILOT_TUNING``
+    read by `LLM`, or `Tuning` itself), so no worker ever sees it."""
+    from kvpilot.tuning import Tuning
 
-
-def test_bad_max_tokens_fails_before_workers_start_where_a_worker_would_read_it(bad_max_tokens):
-    with pytest.raises(ValueError, match="KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS must be a positive integer"):
-        _spec(2, 1, "cuda")
-    with pytest.raises(ValueError, match="KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"):
-        _spec(2, 2, "cuda", pods=2)  # two ranks per pod: each pod holds one whole TP group
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_custom_allreduce_max_tokens": %s}' % value)
+    with pytest.raises(error, match="tp_custom_allreduce_max_tokens"):
+        Tuning.from_env()
+    with pytest.raises((TypeError, ValueError), match="tp_custom_allreduce_max_tokens"):
+        Tuning(tp_custom_allreduce_max_tokens=0)
 
 
 @pytest.mark.parametrize("tp,pp,device,pods", [(2, 1, "cuda", 2), (2, 3, "cuda", 2), (2, 1, "cpu", 1),
-                                               (1, 2, "cuda", 1), (4, 1, "cuda", 1)])
-def test_bad_max_tokens_is_ignored_where_no_worker_reads_it(bad_max_tokens, tp, pp, device, pods):
-    # TP 2 with a TP group spanning pods (one or three ranks per pod): the workers keep NCCL there
-    # and never read the variable, so the engine starts.
-    spec = _spec(tp, pp, device, pods)
-    assert (spec.tp_size, spec.pp_size, spec.device) == (tp, pp, device)
+                                               (1, 2, "cuda", 1), (4, 1, "cuda", 1), (2, 1, "cuda", 1)])
+def test_the_spec_carries_the_tuning_to_every_rank(monkeypatch, tp, pp, device, pods):
+    from kvpilot.tuning import Tuning
 
-
-def test_bad_max_tokens_is_ignored_on_rocm(bad_max_tokens, monkeypatch):
-    monkeypatch.setattr(torch.version, "hip", "6.2.0")  # the one-shot kernel is off on ROCm
-    assert _spec(2, 1, "cuda").tp_size == 2
-    monkeypatch.setenv("KVPILOT_TP_CUSTOM_ALLREDUCE", "0")
-    monkeypatch.setattr(torch.version, "hip", None)
-    assert _spec(2, 1, "cuda").tp_size == 2  # switched off: not read either
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)  # make_worker_spec's GPU count check
+    tuning = Tuning(tp_custom_allreduce=False, tp_custom_allreduce_max_tokens=16)
+    spec = _spec(tp, pp, device, pods, tuning)
+    assert (spec.tp_size, spec.pp_size, spec.device, spec.tuning) == (tp, pp, device, tuning)
+    assert _spec(tp, pp, device, pods).tuning == Tuning()
 
 
 # ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------

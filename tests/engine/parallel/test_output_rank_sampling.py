@@ -1,11 +1,11 @@
 """The tensor-parallel output rank draws sampled tokens itself (``SYNC_SELF`` with `Worker.own_step`'s
-sampler, `RowEncoder` / `RowDecoder`, ``KVPILOT_TP_RANK_SAMPLING``).
+sampler, `RowEncoder` / `RowDecoder`, ``Tuning.tp_rank_sampling``).
 
-Everything runs on CPU (gloo, TP 2) with ``KVPILOT_ASYNC_SCHEDULING=1``; tokens are compared with one
+Everything runs on CPU (gloo, TP 2) with ``Tuning(async_scheduling=True)``; tokens are compared with one
 process's (TP 1), which the same seeds must reproduce bit for bit.
 
-- docs/parallelism.md's ``SYNC_SELF`` item and the README's list of switches describe the sampled
-  own steps and ``KVPILOT_TP_RANK_SAMPLING``.
+- docs/parallelism.md's ``SYNC_SELF`` item and docs/tuning.md describe the sampled own steps and
+  ``Tuning.tp_rank_sampling``.
 - ``SYNC_GO`` steps (a plan waiting for the front end's ids: requests with ``logprobs=0``) keep their
   coverage next to the same cases for the output rank's own draws: the step-timing race, a deferred
   step left with nothing to sample, a killed worker.
@@ -56,17 +56,15 @@ def test_docs_describe_sampled_own_steps_and_the_switch():
 
     doc = (ROOT / "docs" / "parallelism.md").read_text()
     item = doc[doc.index("- `SYNC_SELF`"):doc.index("- `SYNC_GO`")]
-    for words in ("KVPILOT_TP_RANK_SAMPLING", "top-p", "seed", "Sampler", "-1"):
+    for words in ("tp_rank_sampling", "top-p", "seed", "Sampler", "-1"):
         assert words in item, words
     cited = re.findall(r"`(Worker|engine_core)\.(\w+)`", item)
     assert ("Worker", "own_step") in cited and ("engine_core", "_rank_samplable") in cited
     for owner, name in cited:
         assert hasattr(Worker if owner == "Worker" else engine_core, name), (owner, name)
     assert "argmax_step" not in doc
-    readme = (ROOT / "README.md").read_text()
-    knobs = readme[readme.index("- Environment knobs:"):]
-    end = min(i for i in (knobs.find("\n- "), knobs.find("\n\n"), len(knobs)) if i >= 0)
-    assert "`KVPILOT_TP_RANK_SAMPLING=0`" in knobs[:end]
+    tuning_doc = (ROOT / "docs" / "tuning.md").read_text()
+    assert "| `tp_rank_sampling` | True | the front end draws sampled steps instead of the output rank |" in tuning_doc
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +145,7 @@ def test_rows_the_output_rank_draws_again_for_real(flat_model, monkeypatch):
     with LLM(str(flat_model), **kw) as one:
         want = [[c.token_ids for c in o.outputs]
                 for o in one.generate([p for p, _ in items], [sp for _, sp in items], use_tqdm=False)]
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     llm = LLM(str(flat_model), tensor_parallel_size=2, **kw)
     try:
         llm._loop.stop()
@@ -268,7 +266,7 @@ def test_a_sampler_failing_in_the_output_ranks_read_stops_the_engine(stories_mod
     # No empty entry: that would put the current directory (the repository's operator/) on the path.
     paths = [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))
-    llm = _build(stories_model_dir, R11B_FAIL_READ="6")
+    llm = _build(stories_model_dir, env={"R11B_FAIL_READ": "6"})
     try:
         t0 = time.monotonic()
         with pytest.raises((EngineDeadError, RequestError), match=r"(?s)rank 0 failed:.*Traceback.*injected"):

@@ -17,7 +17,7 @@ from support.async_engine import _choice
 from support.async_engine import _FILTERED, _MIX, _PENALTIES, _assert_same, _drain, _minus_ones
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.parallel.executor import tp_async_enabled
+from kvpilot.tuning import Tuning
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,7 +95,7 @@ def _run(llm, mix, async_sched: bool):
 @pytest.fixture(scope="module")
 def tp_llm(stories_model_dir):
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    mp.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     try:
         llm = LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=6,
                   max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=16))
@@ -118,7 +118,7 @@ def test_async_tp2_matches_the_synchronous_tp2(tp_llm, mix):
 
 
 def test_async_tp2_matches_one_process(tp_llm, stories_model_dir, monkeypatch):
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     greedy = [(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), False)
               for p in ("Once upon a time", "The little dog", "", "Tom and Sue")]
     self_steps = tp_llm._executor.num_self_steps
@@ -182,8 +182,7 @@ def test_a_failed_step_is_abandoned_and_the_engine_keeps_serving(tp_llm, monkeyp
 def test_step_timing_between_asynchronous_steps(stories_model_dir, monkeypatch):
     """A timing request while a step's answer is due (and, for the output rank, while it waits for
     the ids of the step before) is answered without losing the step."""
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
-    monkeypatch.setenv("KVPILOT_STEP_TIMING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true, "step_timing": true}')
     with LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=4) as llm:
         llm._loop.stop()
         core, ex = llm._core, llm._executor
@@ -208,12 +207,10 @@ def test_step_timing_between_asynchronous_steps(stories_model_dir, monkeypatch):
     assert got == ref.output.result(timeout=0).outputs[0].token_ids
 
 
-def test_switch(monkeypatch, stories_model_dir):
-    monkeypatch.setenv("KVPILOT_TP_ASYNC", "0")
-    assert not tp_async_enabled()
-    with LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=2) as llm:
+def test_switch(stories_model_dir):
+    with LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=2,
+             tuning=Tuning(tp_async=False)) as llm:
         assert not llm._executor.defers_logits and not llm._executor.supports_async_scheduling
         assert llm.generate("Once", SamplingParams(temperature=0, max_tokens=4)).outputs[0].token_ids
-    monkeypatch.delenv("KVPILOT_TP_ASYNC")
     with LLM(str(stories_model_dir), pipeline_parallel_size=2, device="cpu", max_batch_size=2) as llm:
         assert not llm._executor.defers_logits  # pipeline stages keep settled steps

@@ -1,7 +1,7 @@
 """Asynchronous tensor-parallel steps on two GPUs (NCCL, CUDA graphs, CUDA IPC ids and events).
 
 TP 2 with asynchronous steps (the default on CUDA) against the same layout with settled steps
-(``KVPILOT_TP_ASYNC=0``): a request alone in the engine gets exactly the same tokens and logprobs
+(``Tuning(tp_async=False)``): a request alone in the engine gets exactly the same tokens and logprobs
 (the same graphs at the same shapes), steps really overlapped (greedy ones fed by the output
 rank's own arg-max, `SYNC_SELF`), and a batch of seeded, filtered and
 greedy requests finishes with the same lengths (its batches differ by the dropped step computed for
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
 
 
 def _run(model_dir, monkeypatch, tp_async: str):  # noqa: F811
-    monkeypatch.setenv("KVPILOT_TP_ASYNC", tp_async)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_async": %s}' % ("true" if tp_async == "1" else "false"))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 120, 9, 64, 17)]
     params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
@@ -45,7 +45,6 @@ def _run(model_dir, monkeypatch, tp_async: str):  # noqa: F811
         overlapped = llm._core.num_overlapped_steps
         self_steps = getattr(llm._executor, "num_self_steps", 0)
         batch = llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.delenv("KVPILOT_TP_ASYNC")
     return deferred, (overlapped, self_steps), single, [len(o.outputs[0].token_ids) for o in batch]
 
 

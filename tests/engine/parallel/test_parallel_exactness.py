@@ -1,7 +1,7 @@
 """Tensor/pipeline-parallel ranks compute what one GPU computes, on CPU with gloo.
 
 - TP 2, bf16, random tiny Llama with attention and MLP biases (`test_llama_fused_gemv`'s): with the
-  float32 row-parallel reduction (``KVPILOT_TP_REDUCE_FP32=1``, default off) the logits of a prefill step
+  float32 row-parallel reduction (``Tuning(tp_reduce_fp32=True)``, default off) the logits of a prefill step
   and of greedy decode steps are much closer to the single-process model's than with the bf16
   reduction of rounded partials (a measured ratio), and the greedy tokens are the single process's. Every rank holds
   the whole row-parallel bias and it is added once (float32: TP 2 matches one process to 1e-4).
@@ -111,17 +111,15 @@ def test_tp2_float32_model_adds_the_bias_once(tp_results, biased_model):
         assert torch.equal(tp_results[rank]["down_bias"], down_bias.float())
 
 
-def test_reduce_switch_is_read_once_at_construction(plain_model, monkeypatch):
+def test_reduce_switch_reaches_every_layer(plain_model):
     from kvpilot.model import llama
+    from kvpilot.tuning import Tuning
 
     cfg = ModelConfig.from_dir(plain_model)
-    monkeypatch.delenv("KVPILOT_TP_REDUCE_FP32", raising=False)
-    assert not llama.tp_reduce_fp32_enabled()  # off by default (engine/model/llama.py: measured gain small)
-    for value, want in (("0", False), ("false", False), ("1", True)):
-        monkeypatch.setenv("KVPILOT_TP_REDUCE_FP32", value)
+    assert not Tuning().tp_reduce_fp32  # off by default (engine/model/llama.py: measured gain small)
+    for tuning, want in ((None, False), (Tuning(tp_reduce_fp32=False), False), (Tuning(tp_reduce_fp32=True), True)):
         with torch.device("meta"):
-            model = llama.LlamaForCausalLM(cfg)
-        monkeypatch.setenv("KVPILOT_TP_REDUCE_FP32", "1" if not want else "0")  # later changes do nothing
+            model = llama.LlamaForCausalLM(cfg, tuning=tuning)
         assert model.tp_reduce_fp32 is want
         assert all(l.self_attn.reduce_fp32 is want and l.mlp.reduce_fp32 is want for l in model.layers)
 

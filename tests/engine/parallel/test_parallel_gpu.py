@@ -5,6 +5,7 @@ Skipped without two CUDA GPUs; ``benchmarks/lab/gpu_tp_profile.py`` has the 8B-s
 
 from __future__ import annotations
 
+import json
 
 import pytest
 import torch
@@ -16,8 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 
 def _run(model_dir, tp, pp, monkeypatch, env):
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVPILOT_TUNING", json.dumps(env))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 120, 9, 64, 17)]
     with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -41,8 +41,8 @@ def _run(model_dir, tp, pp, monkeypatch, env):
 def test_event_answer_matches_synchronized_answer(model_dir, monkeypatch, tp, pp):
     from kvpilot.parallel.worker import LOGITS_EVENT, LOGITS_SYNC
 
-    new = _run(model_dir, tp, pp, monkeypatch, {"KVPILOT_STEP_TIMING": "1"})
-    old = _run(model_dir, tp, pp, monkeypatch, {"KVPILOT_LOGITS_EVENT": "0", "KVPILOT_PIPE_SPIN_US": "0"})
+    new = _run(model_dir, tp, pp, monkeypatch, {"step_timing": True})
+    old = _run(model_dir, tp, pp, monkeypatch, {"logits_event": False, "pipe_spin_us": 0})
     assert (new[4], old[4]) == (LOGITS_EVENT, LOGITS_SYNC)
     # The batch's requests reach the engine one by one while it runs, so how they are grouped into
     # steps (and so the bf16 rounding of each step's matrix products) depends on timing: on these
@@ -59,8 +59,7 @@ def test_event_answer_matches_synchronized_answer(model_dir, monkeypatch, tp, pp
 
 def _run_graphs(model_dir, tp, pp, monkeypatch, env):
     """float32 PP run: (batch tokens, batch per-token top-2 logprob dicts, single-request tokens, step timing)."""
-    for k, v in {"KVPILOT_STEP_TIMING": "1", **env}.items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVPILOT_TUNING", json.dumps({"step_timing": True, **env}))
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 120, 9, 64, 17, 3)]
     with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -73,7 +72,6 @@ def _run_graphs(model_dir, tp, pp, monkeypatch, env):
         single = [llm.generate(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)).outputs[0].token_ids
                   for p in prompts[:3]]
         timing = llm._executor.step_timing()
-    monkeypatch.delenv("KVPILOT_STEP_TIMING")
     for k in env:
         monkeypatch.delenv(k)
     return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], single, timing)
@@ -83,7 +81,7 @@ def _run_graphs(model_dir, tp, pp, monkeypatch, env):
     torch.cuda.device_count() < 4, reason="TP 2 x PP 2 needs four CUDA GPUs"))])
 def test_pipeline_stage_graphs_match_eager_stages(model_dir, monkeypatch, tp, pp):
     graph = _run_graphs(model_dir, tp, pp, monkeypatch, {})
-    eager = _run_graphs(model_dir, tp, pp, monkeypatch, {"KVPILOT_PP_CUDA_GRAPHS": "0"})
+    eager = _run_graphs(model_dir, tp, pp, monkeypatch, {"pp_cuda_graphs": False})
     ranks_g, ranks_e = graph[3]["ranks"], eager[3]["ranks"]
     assert sorted(ranks_g) == list(range(tp * pp))
     # Graphs replayed on every rank (3 single requests x 15 decode steps at least), none when off.

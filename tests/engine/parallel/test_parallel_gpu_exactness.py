@@ -1,11 +1,12 @@
 """Two GPUs (NCCL), bf16, a Llama-shaped random model: PP 2 gives one GPU's greedy tokens
 and logprobs exactly (its stages pad prefill steps as one GPU's prefill graphs do, so every kernel
-sees one GPU's shapes), and TP 2 with the float32 row-parallel reduction (``KVPILOT_TP_REDUCE_FP32=1``,
-off by default) is closer to one GPU than with ``KVPILOT_TP_REDUCE_FP32=0``. One request at a time, so every layout runs the same
+sees one GPU's shapes), and TP 2 with the float32 row-parallel reduction (``Tuning(tp_reduce_fp32=True)``,
+off by default) is closer to one GPU than without. One request at a time, so every layout runs the same
 steps. Skipped without two CUDA GPUs; the Llama-3.1-8B-shape numbers: ``benchmarks/gpu_tp_greedy.py``."""
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -31,8 +32,7 @@ def model_dir(tmp_path_factory):
 
 
 def _greedy(model_dir, tp, pp, monkeypatch, env=None):
-    for k, v in (env or {}).items():
-        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("KVPILOT_TUNING", json.dumps(env or {}))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in LENGTHS]
     with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -71,8 +71,8 @@ def test_pp2_bf16_is_one_gpu_exactly(model_dir, one_gpu, monkeypatch):
 
 
 def test_tp2_fp32_reduce_is_closer_to_one_gpu_than_bf16_reduce(model_dir, one_gpu, monkeypatch):
-    fp32 = _greedy(model_dir, 2, 1, monkeypatch, {"KVPILOT_TP_REDUCE_FP32": "1"})
-    bf16 = _greedy(model_dir, 2, 1, monkeypatch, {"KVPILOT_TP_REDUCE_FP32": "0"})
+    fp32 = _greedy(model_dir, 2, 1, monkeypatch, {"tp_reduce_fp32": True})
+    bf16 = _greedy(model_dir, 2, 1, monkeypatch, {"tp_reduce_fp32": False})
     d32, d16 = _logprob_diffs(one_gpu, fp32), _logprob_diffs(one_gpu, bf16)
     same32 = sum(a == b for a, b in zip(fp32[0], one_gpu[0]))
     same16 = sum(a == b for a, b in zip(bf16[0], one_gpu[0]))

@@ -6,7 +6,6 @@ CPU only: the tiny random Llama of `support.engine._checkpoint`, the CPU doubles
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,10 @@ from support.engine import _checkpoint
 from support.parallel_exact import BUCKETS, MAX_BS, MAX_SEQ, MAX_TOKENS, exactness_runner
 from kvpilot.config import KvCacheConfig
 from kvpilot.model.config import ModelConfig
-from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all
+from kvpilot.runner.cuda_graphs import PrefillGraphs
 from kvpilot.runner.model_runner import ScheduledSeq, prefill_padding
 from kvpilot.parallel.worker import single_gpu_prefill_buckets
+from kvpilot.tuning import Tuning
 from support.paths import load_benchmark
 
 RandomSchedule = load_benchmark("gpu_prefill_padding").RandomSchedule
@@ -71,40 +71,29 @@ def test_pp2_microbatches_are_padded_only_where_one_gpu_pads_the_step(model_dir)
 
 
 # ---- which buckets the ranks pad to ---------------------------------------------------------------
-@pytest.mark.parametrize("env", [{}, {"KVPILOT_PREFILL_GRAPH_TOKENS": "40"}, {"KVPILOT_PREFILL_GRAPH_TOKENS": "1000"},
-                                 {"KVPILOT_PREFILL_GRAPHS": "0"}, {"KVPILOT_CUDA_GRAPHS": "0"}])
-def test_rank_buckets_are_the_single_gpu_prefill_graphs_buckets(model_dir, monkeypatch, env):
+@pytest.mark.parametrize("fields", [{}, {"prefill_graph_tokens": 40}, {"prefill_graph_tokens": 1000},
+                                    {"prefill_graphs": False}, {"cuda_graphs": False}])
+def test_rank_buckets_are_the_single_gpu_prefill_graphs_buckets(model_dir, fields):
     """Checked, right: the buckets a CUDA rank pads to are those one GPU's `PrefillGraphs` captures
-    at the same ``max_num_tokens``, and None exactly where one GPU captures no prefill graphs."""
-    for k in ("KVPILOT_PREFILL_GRAPH_TOKENS", "KVPILOT_PREFILL_GRAPHS", "KVPILOT_CUDA_GRAPHS"):
-        monkeypatch.delenv(k, raising=False)
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    from kvpilot.runner.model_runner import cuda_graphs_enabled, prefill_graphs_enabled
-
-    got = single_gpu_prefill_buckets(MAX_TOKENS)
-    if not (cuda_graphs_enabled() and prefill_graphs_enabled()):  # one GPU captures none (`ModelRunner`)
+    at the same ``max_num_tokens`` and `Tuning`, and None exactly where one GPU captures no prefill graphs."""
+    tuning = Tuning(**fields)
+    got = single_gpu_prefill_buckets(MAX_TOKENS, tuning)
+    if not (tuning.cuda_graphs and tuning.prefill_graphs):  # one GPU captures none (`ModelRunner`)
         assert got is None
         return
-    graphs = cpu_graph_class(PrefillGraphs)(exactness_runner(model_dir))
-    assert got == graphs.token_buckets and got[-1] == min(MAX_TOKENS, int(env.get("KVPILOT_PREFILL_GRAPH_TOKENS", 256)))
-
-
-def test_bad_prefill_graph_tokens_leaves_the_ranks_eager_like_one_gpu(model_dir, monkeypatch, caplog):
-    """With a bad ``KVPILOT_PREFILL_GRAPH_TOKENS`` one GPU logs a warning and runs its prefill steps
-    eagerly (`capture_all` catches the `PrefillGraphs` error); the ranks of a tensor/pipeline-parallel
-    engine follow one GPU: `single_gpu_prefill_buckets` warns and gives no padding (one GPU has no
-    prefill graph to match), and the engine starts."""
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "lots")
     runner = exactness_runner(model_dir)
-    with caplog.at_level(logging.WARNING):
-        dg, pg = capture_all(runner, prefill=True, decode_cls=cpu_graph_class(DecodeGraphs),
-                             prefill_cls=cpu_graph_class(PrefillGraphs))
-    assert pg is None and dg is not None  # one GPU: prefill and mixed steps run eagerly
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvpilot.parallel.worker"):
-        assert single_gpu_prefill_buckets(MAX_TOKENS) is None
-    assert "KVPILOT_PREFILL_GRAPH_TOKENS" in caplog.text
+    runner.tuning = tuning
+    graphs = cpu_graph_class(PrefillGraphs)(runner)
+    assert got == graphs.token_buckets and got[-1] == min(MAX_TOKENS, tuning.prefill_graph_tokens)
+
+
+def test_bad_prefill_graph_tokens_is_refused_before_any_engine_starts():
+    """A prefill-graph cap below one token is refused by `Tuning` itself, so one GPU and the ranks
+    of a tensor/pipeline-parallel engine never disagree about it."""
+    with pytest.raises(ValueError, match="prefill_graph_tokens"):
+        Tuning(prefill_graph_tokens=0)
+    with pytest.raises(TypeError, match="prefill_graph_tokens"):
+        Tuning(prefill_graph_tokens="lots")
 
 
 # ---- padded eager prefill = one GPU's prefill graph, over an engine-like run ---------------------

@@ -101,7 +101,7 @@ def reference(stories_model_dir):
 @pytest.fixture(scope="module")
 def tp_llm(stories_model_dir):
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    mp.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     try:
         llm = LLM(str(stories_model_dir), tensor_parallel_size=2, **_KW)
     finally:
@@ -217,9 +217,8 @@ def test_greedy_golden_and_the_switch(tp_llm, stories_model_dir, reference, monk
     llm, counter = tp_llm
     text = _drive(llm, [("", SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))])[0][0][1]
     assert len(text) > 50 and text == GOLDEN[:len(text)]
-    # KVPILOT_TP_RANK_SAMPLING=0: the front end samples (arg-max steps stay on the output rank).
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
-    monkeypatch.setenv("KVPILOT_TP_RANK_SAMPLING", "0")
+    # Tuning(tp_rank_sampling=False): the front end samples (arg-max steps stay on the output rank).
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true, "tp_rank_sampling": false}')
     with LLM(str(stories_model_dir), tensor_parallel_size=2, **_KW) as off:
         off._loop.stop()
         assert off._executor.defers_logits and not off._executor.samples_on_output_rank
@@ -237,7 +236,7 @@ def test_pp2_sampled_tokens_are_one_process_tokens(stories_model_dir, reference)
 
 
 def test_a_sampling_row_the_output_rank_rejects_stops_the_engine(stories_model_dir, monkeypatch):
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     llm = LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=2)
     try:
         llm._loop.stop()

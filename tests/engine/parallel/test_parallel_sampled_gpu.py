@@ -2,7 +2,7 @@
 
 The same batch of seeded, filtered requests (top-p, top-k, min-p, plain temperature, greedy; n > 1;
 different lengths) on TP 2 with asynchronous steps, once with the output rank drawing every step
-(`Worker.own_step`, the default) and once with the front end's sampler (``KVPILOT_TP_RANK_SAMPLING=0``).
+(`Worker.own_step`, the default) and once with the front end's sampler (``Tuning(tp_rank_sampling=False)``).
 Both run the same plans, so the same logits: the tokens must be equal bit for bit, and the first
 run's steps really were drawn (and fed to the next step) by the output rank. The second test drives
 the engine by hand (the same events at the same steps in both runs): arrivals and aborts mid-flight,
@@ -31,7 +31,7 @@ _PARAMS = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=48, ign
 
 
 def _run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
-    monkeypatch.setenv("KVPILOT_TP_RANK_SAMPLING", rank_sampling)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_rank_sampling": %s}' % ("true" if rank_sampling == "1" else "false"))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, SHAPE["vocab_size"], (n,), generator=g).tolist() for n in (5, 33, 120, 9, 64, 17)]
     with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, device="cuda", max_batch_size=16,
@@ -41,7 +41,6 @@ def _run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
         alone = llm.generate(prompts[0], _PARAMS[0], use_tqdm=False).outputs[0].token_ids
         batch = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, _PARAMS, use_tqdm=False)]
         counts = (ex.num_rank_sampled_steps, ex.num_self_steps, ex.num_rank_redrawn_rows)
-    monkeypatch.delenv("KVPILOT_TP_RANK_SAMPLING")
     return alone, batch, counts
 
 
@@ -82,8 +81,8 @@ def _mixed_events() -> dict:
 def _script_run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
     from support.tp_async import _script
 
-    monkeypatch.setenv("KVPILOT_TP_RANK_SAMPLING", rank_sampling)
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_rank_sampling": %s, "async_scheduling": true}'
+                       % ("true" if rank_sampling == "1" else "false"))
     try:
         with LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, device="cuda", max_batch_size=8,
                  max_num_tokens=256, max_seq_len=1024,
@@ -94,8 +93,6 @@ def _script_run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
             counts = (ex.num_rank_sampled_steps, ex.num_self_steps, ex.num_rank_redrawn_rows,
                       core.scheduler.num_preemptions, over)
     finally:
-        monkeypatch.delenv("KVPILOT_TP_RANK_SAMPLING")
-        monkeypatch.delenv("KVPILOT_ASYNC_SCHEDULING")
     return got, counts
 
 

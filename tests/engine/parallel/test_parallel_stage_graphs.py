@@ -7,7 +7,7 @@ replays a graph by re-running its captured body on the static buffers).
 - Across processes (gloo): `Worker.execute` with PP 3 (first, middle and last stage) gives the same
   logits and rows through the stage graphs as eagerly, for decode-only plans, padded micro-batches,
   and micro-batches that mix graph and eager runs in one step.
-- `rank_graphs_enabled`: the environment switches.
+- `rank_graphs_enabled`: the `Tuning` switches.
 """
 
 from __future__ import annotations
@@ -162,18 +162,15 @@ def test_pipeline_worker_stage_graphs_match_eager(model_dir):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_rank_graphs_enabled(monkeypatch):
+def test_rank_graphs_enabled():
     from kvpilot.parallel.worker import rank_graphs_enabled
+    from kvpilot.tuning import Tuning
 
-    for k in ("KVPILOT_CUDA_GRAPHS", "KVPILOT_TP_CUDA_GRAPHS", "KVPILOT_PP_CUDA_GRAPHS"):
-        monkeypatch.delenv(k, raising=False)
     layouts = [(2, False), (1, True), (2, True)]  # TP, PP, TP x PP
-    assert [rank_graphs_enabled(t, p) for t, p in layouts] == [True, True, True]
-    monkeypatch.setenv("KVPILOT_PP_CUDA_GRAPHS", "0")
-    assert [rank_graphs_enabled(t, p) for t, p in layouts] == [True, False, False]
-    monkeypatch.setenv("KVPILOT_PP_CUDA_GRAPHS", "1")
-    monkeypatch.setenv("KVPILOT_TP_CUDA_GRAPHS", "false")
-    assert [rank_graphs_enabled(t, p) for t, p in layouts] == [False, True, False]
-    monkeypatch.delenv("KVPILOT_TP_CUDA_GRAPHS")
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "0")
-    assert [rank_graphs_enabled(t, p) for t, p in layouts] == [False, False, False]
+    assert [rank_graphs_enabled(t, p, Tuning()) for t, p in layouts] == [True, True, True]
+    off = Tuning(pp_cuda_graphs=False)
+    assert [rank_graphs_enabled(t, p, off) for t, p in layouts] == [True, False, False]
+    off = Tuning(tp_cuda_graphs=False)
+    assert [rank_graphs_enabled(t, p, off) for t, p in layouts] == [False, True, False]
+    off = Tuning(cuda_graphs=False)
+    assert [rank_graphs_enabled(t, p, off) for t, p in layouts] == [False, False, False]

@@ -1,4 +1,4 @@
-"""``KVPILOT_STEP_TIMING=1``: the front end and every worker record per-phase step times, and the
+"""``Tuning(step_timing=True)``: the front end and every worker record per-phase step times, and the
 engine's greedy output stays that of the single-process engine."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def test_step_timing_phases_and_counts(tmp_path, monkeypatch):
     model = make_tiny_llama(tmp_path / "tiny", seed=5, vocab=385, layers=2)
     with LLM(str(model), skip_tokenizer_init=True, device="cpu") as llm:
         ref = run_tiny_workload(llm)
-    monkeypatch.setenv("KVPILOT_STEP_TIMING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"step_timing": true}')
     with LLM(str(model), skip_tokenizer_init=True, pipeline_parallel_size=2, device="cpu") as llm:
         steps = []
         llm.add_stat_logger(lambda s: steps.append(s))

@@ -4,7 +4,7 @@
 (`parallel_worker.InputSync`, ``SYNC_GO`` / ``SYNC_EVENT`` / ``SYNC_SELF``), and the engine defers
 sampling (`EngineCore._start_inflight`, `_argmax_only`).
 
-Everything runs on CPU with TP 2 (gloo) and ``KVPILOT_ASYNC_SCHEDULING=1``. Results are compared with
+Everything runs on CPU with TP 2 (gloo) and ``Tuning(async_scheduling=True)``. Results are compared with
 the synchronous engine on the same `LLM` (``core.async_scheduling = False``): token ids, text and
 finish reasons exactly. The slow-marked ones (the HTTP server, killed workers, long mixes) run with
 ``-m slow``; `make test` keeps the rest."""
@@ -93,7 +93,7 @@ def test_serve_after_a_completion_that_ends_on_a_stop_token(stories_model_dir, t
 
     want, _ = _script(tp_llm, {0: [("add", "b", "Once upon a time", SamplingParams(temperature=0, max_tokens=16))]},
                       False)
-    monkeypatch.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"async_scheduling": true}')
     args = ["--tensor-parallel-size", "2", "--device", "cpu", "--served-model-name", "stories"]
     with ServerProcess(stories_model_dir, args, log_path=tmp_path / "serve.log", startup_timeout=150) as srv:
         def complete(**body) -> dict:
@@ -124,7 +124,7 @@ def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
 
     Here the window is forced: the engine's `publish_tokens` first lets another thread call
     `step_timing` (the step timeout is cut to 6 s so that a failure is quick)."""
-    llm = _build(stories_model_dir, KVPILOT_STEP_TIMING="1", KVPILOT_STEP_TIMEOUT_S="6")
+    llm = _build(stories_model_dir, step_timeout_s=6, step_timing=True)
     try:
         llm._loop.stop()
         core, ex = llm._core, llm._executor
@@ -173,7 +173,7 @@ def test_step_timing_while_a_plan_waits_for_its_ids(stories_model_dir):
 def test_a_long_prompt_alone_on_cpu_tp2(stories_model_dir, tp_async):
     """A prompt longer than ``max_num_tokens`` alone in the engine is prefilled in chunks; the first
     chunk's step samples nothing, so the output rank has a ``[0, vocab]`` logits tensor. On the pipe path
-    (CPU, or ``KVPILOT_LOGITS_IPC=0`` on GPUs) `parallel_worker._send_logits` sends ``b""`` for it
+    (CPU, or ``Tuning(logits_ipc=False)`` on GPUs) `parallel_worker._send_logits` sends ``b""`` for it
     (``memoryview.cast`` refuses a zero-size array, which would kill rank 0 and leave the front end
     reading the worker's pickled error as logits bytes), and with asynchronous steps the chunk's
     deferred step is awaited although nothing is sampled (the test above)."""
@@ -181,10 +181,10 @@ def test_a_long_prompt_alone_on_cpu_tp2(stories_model_dir, tp_async):
     with LLM(str(stories_model_dir), device="cpu", max_batch_size=6, max_num_tokens=64,
              kv_cache_config=KvCacheConfig(tokens_per_block=16)) as one:
         want = one.generate(_LONG, ref_sp, use_tqdm=False).outputs[0].token_ids
-    llm = _build(stories_model_dir, KVPILOT_TP_ASYNC="1") if tp_async == "1" else None
+    llm = _build(stories_model_dir, tp_async=True) if tp_async == "1" else None
     if llm is None:
         mp = pytest.MonkeyPatch()
-        mp.setenv("KVPILOT_TP_ASYNC", "0")
+        mp.setenv("KVPILOT_TUNING", '{"tp_async": false}')
         try:
             llm = LLM(str(stories_model_dir), tensor_parallel_size=2, device="cpu", max_batch_size=6,
                       max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=16))
@@ -339,7 +339,7 @@ def test_generate_through_the_loop_with_step_timing_from_another_thread(stories_
     prompts = ["Once upon a time", "The little dog", "Tom and Sue"]
     sp = _g(48) if kind == "greedy" else _s(48, seed=5)
     want, _ = _script(tp_llm, {0: [("add", p, p, sp) for p in prompts]}, False)
-    llm = _build(stories_model_dir, KVPILOT_STEP_TIMING="1", KVPILOT_STEP_TIMEOUT_S="6")
+    llm = _build(stories_model_dir, step_timeout_s=6, step_timing=True)
     try:
         res: dict = {}
 
@@ -405,7 +405,7 @@ def test_shutdown_is_not_held_by_a_stuck_step(stories_model_dir, monkeypatch):
     With a rank stopped by SIGSTOP during a sampled `generate`, `llm.shutdown()` takes ~45 s
     (`EngineLoop.stop`'s 30 s join, then this path); if `abandon_steps` takes the lock
     inside `shutdown`, it takes the whole step timeout instead (95 s with
-    ``KVPILOT_STEP_TIMEOUT_S=90``; 11 minutes by default)."""
+    a 90 s step timeout; 11 minutes by default)."""
     llm = _build(stories_model_dir)
     llm._loop.stop()
     core, ex = llm._core, llm._executor

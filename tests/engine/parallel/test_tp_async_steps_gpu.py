@@ -25,8 +25,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
 @pytest.fixture(scope="module")
 def llm(model_dir):  # noqa: F811
     mp = pytest.MonkeyPatch()
-    mp.setenv("KVPILOT_TP_ASYNC", "1")
-    mp.setenv("KVPILOT_ASYNC_SCHEDULING", "1")
+    mp.setenv("KVPILOT_TUNING", '{"tp_async": true, "async_scheduling": true}')
     try:
         engine = LLM(str(model_dir), skip_tokenizer_init=True, tensor_parallel_size=2, device="cuda",
                      max_batch_size=16, max_num_tokens=256, max_seq_len=1024,

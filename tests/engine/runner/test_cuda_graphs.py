@@ -62,7 +62,7 @@ def _mixed_seqs(specs, block: int) -> list[ScheduledSeq]:
 @needs_gpu
 @pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
 def test_prefill_graph_replay_matches_eager(tiny_dir, dtype, tol, monkeypatch):
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "512")  # above the 256 default: larger buckets too
+    monkeypatch.setenv("KVPILOT_TUNING", '{"prefill_graph_tokens": 512}')  # above the 256 default: larger buckets too
     with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", dtype=dtype, max_batch_size=24,
              max_num_tokens=512, max_seq_len=256, kv_cache_config=KvCacheConfig(max_tokens=16384)) as llm:
         runner = llm._executor
@@ -95,12 +95,11 @@ def test_prefill_graph_replay_matches_eager(tiny_dir, dtype, tol, monkeypatch):
 @pytest.mark.gpu
 @needs_gpu
 def test_prefill_graphs_env_switch(tiny_dir, monkeypatch):
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPHS", "0")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"prefill_graphs": false}')
     with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", max_batch_size=4, max_seq_len=256,
              kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
         assert llm._executor.graphs is not None and llm._executor.prefill_graphs is None
-    monkeypatch.setenv("KVPILOT_CUDA_GRAPHS", "0")
-    monkeypatch.delenv("KVPILOT_PREFILL_GRAPHS")
+    monkeypatch.setenv("KVPILOT_TUNING", '{"cuda_graphs": false}')
     with LLM(str(tiny_dir), skip_tokenizer_init=True, device="cuda", max_batch_size=4, max_seq_len=256,
              kv_cache_config=KvCacheConfig(max_tokens=4096)) as llm:
         assert llm._executor.graphs is None and llm._executor.prefill_graphs is None

@@ -1,6 +1,6 @@
 """`ModelRunner.warm_up_eager`: the start-up steps that make Triton compile the eager mixed-step kernels.
 
-On the GPU the runner calls it after CUDA-graph capture (``KVPILOT_WARMUP``, default 1); here it is
+On the GPU the runner calls it after CUDA-graph capture (``Tuning.warmup``, default on); here it is
 called directly on the CPU runner of stories260K, to check which steps it builds and that it leaves
 the engine's results unchanged (it writes keys and values into blocks no sequence holds yet).
 """
@@ -11,7 +11,8 @@ import pytest
 
 from support.engine import GOLDEN
 from kvpilot import LLM, KvCacheConfig, SamplingParams
-from kvpilot.runner.model_runner import ModelRunner, warm_up_enabled
+from kvpilot.runner.model_runner import ModelRunner
+from kvpilot.tuning import Tuning
 
 
 def _greedy(llm: LLM, n: int = 60) -> str:
@@ -85,10 +86,8 @@ def test_warm_up_skips_when_nothing_fits(stories_model_dir):
         assert GOLDEN.startswith(_greedy(llm, 20))
 
 
-@pytest.mark.parametrize("value,on", [(None, True), ("1", True), ("0", False), ("no", False)])
+@pytest.mark.parametrize("value,on", [(None, True), ('{"warmup": true}', True), ('{"warmup": false}', False)])
 def test_warm_up_switch(monkeypatch, value, on):
-    if value is None:
-        monkeypatch.delenv("KVPILOT_WARMUP", raising=False)
-    else:
-        monkeypatch.setenv("KVPILOT_WARMUP", value)
-    assert warm_up_enabled() is on
+    if value is not None:
+        monkeypatch.setenv("KVPILOT_TUNING", value)
+    assert Tuning.from_env().warmup is on

@@ -15,6 +15,7 @@ from support.engine import make_tiny_llama
 from support.graphs import cpu_graph_class
 from kvpilot import LLM, KvCacheConfig
 from kvpilot.runner.cuda_graphs import DecodeGraphs, PrefillGraphs, capture_all, default_token_buckets
+from kvpilot.tuning import Tuning
 from kvpilot.runner.model_runner import ScheduledSeq
 
 BLOCK = 8
@@ -59,15 +60,15 @@ def test_default_token_buckets(llm, monkeypatch):
     assert default_token_buckets(8192, cap=1024) == [16, 32, 64, 96] + list(range(128, 513, 32)) + list(range(576, 1025, 64))
     assert default_token_buckets(100) == [16, 32, 64, 96, 100]
     assert default_token_buckets(8192, cap=300) == [16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 300]
-    # The environment sets the cap; max_num_tokens (64 here) still bounds it.
+    # The runner's Tuning sets the cap; max_num_tokens (64 here) still bounds it.
     runner = llm._executor
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "40")
+    monkeypatch.setattr(runner, "tuning", Tuning(prefill_graph_tokens=40))
     assert cpu_graph_class(PrefillGraphs)(runner).token_buckets == [16, 32, 40]
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "1024")
+    monkeypatch.setattr(runner, "tuning", Tuning(prefill_graph_tokens=1024))
     assert cpu_graph_class(PrefillGraphs)(runner).token_buckets == [16, 32, 64]
-    monkeypatch.setenv("KVPILOT_PREFILL_GRAPH_TOKENS", "lots")
-    with pytest.raises(ValueError, match="KVPILOT_PREFILL_GRAPH_TOKENS"):
-        cpu_graph_class(PrefillGraphs)(runner)
+    monkeypatch.setenv("KVPILOT_TUNING", '{"prefill_graph_tokens": "lots"}')
+    with pytest.raises(ValueError, match="KVPILOT_TUNING: .*prefill_graph_tokens"):
+        Tuning.from_env()
 
 
 @pytest.mark.parametrize("attention", ["reference", "triton"])

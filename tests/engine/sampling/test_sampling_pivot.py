@@ -196,22 +196,21 @@ def test_pivot_rows_with_masked_logits():
 
 
 def test_check_mode_reports_an_index_outside_the_buffers(monkeypatch):
-    """KVPILOT_SAMPLING_CHECK=1 (the debug mode the pivot kernels were instrumented with to hunt an
+    """``draw(check=True)`` (`Tuning.sampling_check`: the debug mode the pivot kernels were instrumented with to hunt an
     illegal memory access): a row id past the logits is clamped instead of read, and draw raises
     with the record (code 1 or 2: a pass's row id; value 9; bound S = 3; one record per program, the
     last pass's)."""
     from kvpilot.kernels import sampling as ks
 
-    monkeypatch.setenv("KVPILOT_SAMPLING_CHECK", "1")
     rows = _rows([(1.0, 0.5, 0.0)] * 3)
     logits = _logits(2, 3, 300)
     d = _Draw(rows, 300)
     fprm, iprm, order = d.tensors(logits.device)
-    assert ks.draw(logits, fprm, iprm, order[:0], order, n_pivot=3).tolist() == _exact(logits, rows)
+    assert ks.draw(logits, fprm, iprm, order[:0], order, n_pivot=3, check=True).tolist() == _exact(logits, rows)
     bad = order.clone()
     bad[1] = 9
     with pytest.raises(RuntimeError, match=r"pivot path read outside its buffers: \d+ records .*\[[12], 9, 3, "):
-        ks.draw(logits, fprm, iprm, order[:0], bad, n_pivot=3)
+        ks.draw(logits, fprm, iprm, order[:0], bad, n_pivot=3, check=True)
 
 
 def test_min_p_only_rows_settled_by_their_second_candidate():

@@ -71,19 +71,18 @@ def test_pivot_every_generation_cap_equals_exact_with_bounds_checks(monkeypatch,
     """Checked: the ``[launches + 1, rows]`` state rows for every ``pivot_rounds`` 1..4 with and
     without ``pivot_fuse`` (launches = G fused, 2G - 1 otherwise; the last row is what
     `_resolve_kernel` reads), one chunk (and three for G = 1 and 4), under
-    ``KVPILOT_SAMPLING_CHECK=1`` (no index of any pass leaves its buffer). Every settled row equals
+    ``check=True`` (no index of any pass leaves its buffer). Every settled row equals
     the exact reference; the all -inf row is always handed to the exact path (-1); from two
     generations on every other row settles."""
     from support.sampling import _kernel_draw
 
-    monkeypatch.setenv("KVPILOT_SAMPLING_CHECK", "1")
     logits, rows = _mixed_pivot_batch()
     want = Sampler("exact").choose(logits, rows)
     assert want[5] == 17
     multi = dict(chunk=256, block=256, pivot_block=128, pivot_cblock=64)
     for G in (1, 2, 3, 4):
         for cfg in ({}, multi) if G in (1, 4) else ({},):
-            got = _kernel_draw(logits, rows, pivot_rounds=G, pivot_fuse=fuse, **cfg)
+            got = _kernel_draw(logits, rows, pivot_rounds=G, pivot_fuse=fuse, check=True, **cfg)
             assert got[6] == -1, (G, cfg)
             assert [t for t in got if t >= 0] == [w for t, w in zip(got, want) if t >= 0], (G, cfg)
             if G >= 2:

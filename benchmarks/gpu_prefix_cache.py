@@ -8,10 +8,10 @@ question is timed warm (the prefix's full blocks come from the cache). TTFT is m
 
 The engine runs as configured by default: CUDA graphs on, so the cached request's small prefill step
 replays a prefill graph (`kvpilot.runner.cuda_graphs.PrefillGraphs`). For an A/B run of that step eagerly,
-set ``KVPILOT_PREFILL_GRAPHS=0`` (decode graphs stay on); the table says which graphs were captured.
+pass ``--tuning prefill_graphs=0`` (decode graphs stay on); the table says which graphs were captured.
 
     python3 benchmarks/gpu_prefix_cache.py --out $OUT       # GPU
-    KVPILOT_PREFILL_GRAPHS=0 python3 benchmarks/gpu_prefix_cache.py --out $OUT   # GPU, prefill eager
+    python3 benchmarks/gpu_prefix_cache.py --out $OUT --tuning prefill_graphs=0   # GPU, prefill eager
     .venv/bin/python benchmarks/gpu_prefix_cache.py --tiny   # CPU dry run
 """
 
@@ -48,7 +48,11 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--model-dir", default="/tmp/kvpilot-llama8b-random")
     ap.add_argument("--out", default=None, help="folder for the JSON result")
+    ap.add_argument("--tuning", default="", help="kvpilot.tuning.Tuning overrides, e.g. prefill_graphs=0")
     args = ap.parse_args()
+    from kvpilot.tuning import parse_overrides
+
+    tuning = parse_overrides(args.tuning)
 
     from kvpilot import LLM, KvCacheConfig, SamplingParams
 
@@ -57,7 +61,7 @@ def main() -> None:
     if not (path / "config.json").exists():
         write_random_llama(path, cfg, dtype=torch.float32 if args.tiny else torch.bfloat16, device=device)
     llm = LLM(str(path), skip_tokenizer_init=True, device=device, max_seq_len=8192,
-              kv_cache_config=KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=0.5))
+              kv_cache_config=KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=0.5), tuning=tuning)
     runner = llm._executor
     pg, dg = getattr(runner, "prefill_graphs", None), getattr(runner, "graphs", None)
     graphs = f"{len(dg.graphs) if dg else 0} decode + {len(pg.graphs) if pg else 0} prefill"

@@ -5,7 +5,7 @@ model. On random weights the top logits of a step are close together, so any cha
 flips near-ties after a few tokens. Two causes were examined:
 
 - TP: the row-parallel projections (``o_proj``, ``down_proj``) sum bf16-rounded partial products
-  in a bf16 all-reduce, two extra roundings per projection. ``KVPILOT_TP_REDUCE_FP32=1`` reduces in
+  in a bf16 all-reduce, two extra roundings per projection. ``tp_reduce_fp32=1`` (`kvpilot.tuning.Tuning`) reduces in
   float32 and rounds once (engine/model/llama.py). Measured on two H200s: mean logprob difference to one
   GPU 4.4e-2 -> 3.6e-2, no prompt more identical (0/8 both), batch-1 ITL +0.9%; so it stays off by
   default. What remains is fp32 summation order (cuBLAS algorithms for the halved matrices,
@@ -17,7 +17,7 @@ flips near-ties after a few tokens. Two causes were examined:
   shapes: with one request at a time its tokens and logprobs are one GPU's exactly (8/8 prompts,
   logprob difference 0, on two H200s).
 
-For each dtype, one `LLM` per layout (``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` for that layout's
+For each dtype, one `LLM` per layout (``TxP`` or ``TxP:FIELD=VAL;FIELD=VAL``, `Tuning` overrides for that layout's
 environment) on the random model of ``kvpilot.tools.random_model`` (written once to
 ``--model-dir``, reused when present): greedy tokens of ``--prompts`` random prompts (16..200 tokens)
 x ``--tokens`` tokens, one request at a time (so every layout runs the same steps), compared with the
@@ -25,14 +25,14 @@ first layout; the chosen tokens' logprobs over the common prefix (max and mean d
 batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N, median
 of 3 after a warm-up (``--itl-tokens`` N).
 
-Tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT=T``, engine/model/tp_invariant.py): every layout computes
+Tensor-parallel-invariant mode (``tp_invariant=T``, engine/model/tp_invariant.py): every layout computes
 a TP-``T`` group's decomposition, so one GPU with ``T = 2`` should give TP 2's tokens and logprobs
-exactly. ``--invariant 2`` runs the layouts ``1x1:KVPILOT_TP_INVARIANT=2,2x1,1x1`` (TP 1 invariant
+exactly. ``--invariant 2`` runs the layouts ``1x1:tp_invariant=2,2x1,1x1`` (TP 1 invariant
 first, as the reference; TP 2 with default settings; TP 1 default) and adds a summary line: identical
 prompts and the max logprob difference of TP 2 against TP 1 invariant, and the batch-1 ITL of the three.
 
 Self-check (exit status 1): in bf16, a layout that computes the first layout's decomposition (the
-same ``KVPILOT_TP_INVARIANT``, where TP 2 without it and without ``KVPILOT_TP_REDUCE_FP32`` is ``T = 2``
+same ``tp_invariant``, where TP 2 without it and without ``tp_reduce_fp32`` is ``T = 2``
 and TP 1 is ``T = 1``, so PP layouts match TP 1) whose tokens or logprobs differ from the first
 layout's at all; the TP 2 layout with the fp32 reduction whose logprobs are not closer to one GPU's
 (max difference on the common prefix) than the default layout's (bf16 reduction); in float32
@@ -58,17 +58,17 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 from gpu_tp_profile import _layout  # noqa: E402
 
-DEFAULT_LAYOUTS = "1x1,2x1:KVPILOT_TP_REDUCE_FP32=1,2x1,1x2"
+DEFAULT_LAYOUTS = "1x1,2x1:tp_reduce_fp32=1,2x1,1x2"
 
 
-def run(model: Path, tp: int, pp: int, dtype: str, prompts, a, device: str) -> dict:
+def run(model: Path, tp: int, pp: int, dtype: str, prompts, a, device: str, tuning=None) -> dict:
     """Greedy tokens, their logprobs and the batch-1 ITL of one layout."""
     from kvpilot import LLM, KvCacheConfig, SamplingParams
 
     t0 = time.perf_counter()
     with LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True,
              dtype=dtype, device=device, max_seq_len=1024, max_batch_size=8,
-             kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.5)) as llm:
+             kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=0.5), tuning=tuning) as llm:
         load_s = time.perf_counter() - t0
         # One request at a time: every layout then runs the same steps (batch 1), so only the
         # layout differs, never the grouping of requests into steps.
@@ -87,14 +87,14 @@ def run(model: Path, tp: int, pp: int, dtype: str, prompts, a, device: str) -> d
             "itl_ms": statistics.median(itl) * 1e3, "load_s": load_s, "total_s": time.perf_counter() - t0}
 
 
-def decomposition(tp: int, env: dict) -> int | None:
-    """The TP size whose rounding a layout computes: ``KVPILOT_TP_INVARIANT`` when set; else TP 1's
+def decomposition(tp: int, tuning) -> int | None:
+    """The TP size whose rounding a layout computes: ``tuning.tp_invariant`` when set; else TP 1's
     (1), TP 2's default bf16 all-reduce of two partials (2, the invariant sum); None otherwise."""
-    if int(env.get("KVPILOT_TP_INVARIANT", "0") or 0):
-        return int(env["KVPILOT_TP_INVARIANT"])
+    if tuning.tp_invariant:
+        return tuning.tp_invariant
     if tp == 1:
         return 1
-    if tp == 2 and env.get("KVPILOT_TP_REDUCE_FP32", "0") in ("0", ""):
+    if tp == 2 and not tuning.tp_reduce_fp32:
         return 2
     return None
 
@@ -121,11 +121,11 @@ def main() -> int:
     ap.add_argument("--itl-tokens", type=int, default=64)
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny model")
     ap.add_argument("--invariant", type=int, default=0,
-                    help="T: compare TP T and TP 1 default against TP 1 with KVPILOT_TP_INVARIANT=T "
+                    help="T: compare TP T and TP 1 default against TP 1 with tp_invariant=T "
                          "(sets --layouts)")
     a = ap.parse_args()
     if a.invariant:
-        a.layouts = f"1x1:KVPILOT_TP_INVARIANT={a.invariant},{a.invariant}x1,1x1"
+        a.layouts = f"1x1:tp_invariant={a.invariant},{a.invariant}x1,1x1"
     t_start = time.perf_counter()
     shape, device = (TINY, "cpu") if a.tiny else (LLAMA31_8B, "cuda")
     model = Path(a.model_dir + ("_tiny" if a.tiny else ""))
@@ -145,13 +145,8 @@ def main() -> int:
         results: dict[str, dict] = {}
         itls: dict[str, float] = {}
         base = None
-        for text, tp, pp, env in layouts:
-            os.environ.update(env)
-            try:
-                res = run(model, tp, pp, dtype, prompts, a, device)
-            finally:
-                for k in env:
-                    os.environ.pop(k, None)
+        for text, tp, pp, tuning in layouts:
+            res = run(model, tp, pp, dtype, prompts, a, device, tuning)
             head = f"| {dtype} | {text} | {res['load_s']:.0f} / {res['total_s']:.0f} | {res['itl_ms']:.3f} |"
             itls[text] = res["itl_ms"]
             if base is None:
@@ -163,11 +158,11 @@ def main() -> int:
                   flush=True)
             if dtype == "float32" and c["same"] != len(c["div"]):
                 failures.append(f"float32 {text}: tokens differ from the first layout")
-            same_decomp = base_decomp is not None and decomposition(tp, env) == base_decomp
+            same_decomp = base_decomp is not None and decomposition(tp, tuning) == base_decomp
             if dtype != "float32" and same_decomp and (c["same"] != len(c["div"]) or c["max_dlp"] != 0):
                 failures.append(f"{dtype} {text}: computes the first layout's decomposition (TP {base_decomp}), "
                                 "so its tokens and logprobs must be the first layout's exactly")
-        fp32_tp, bf16_tp = results.get("2x1:KVPILOT_TP_REDUCE_FP32=1"), results.get("2x1")
+        fp32_tp, bf16_tp = results.get("2x1:tp_reduce_fp32=1"), results.get("2x1")
         if dtype != "float32" and fp32_tp and bf16_tp:
             print(f"TP 2 {dtype}: fp32 reduce max/mean logprob diff {fp32_tp['max_dlp']:.2e} / "
                   f"{fp32_tp['mean_dlp']:.2e}"
@@ -178,7 +173,7 @@ def main() -> int:
             inv_text, tp_text, plain_text = a.layouts.split(",")
             c = results[tp_text]
             t_inv, t_tp, t_plain = itls[inv_text], itls[tp_text], itls[plain_text]
-            print(f"{dtype}: TP {a.invariant} vs TP 1 with KVPILOT_TP_INVARIANT={a.invariant}: identical prompts "
+            print(f"{dtype}: TP {a.invariant} vs TP 1 with tp_invariant={a.invariant}: identical prompts "
                   f"{c['same']}/{len(c['div'])}, max logprob difference {c['max_dlp']:.2e}; batch-1 ITL: TP 1 "
                   f"invariant {t_inv:.3f} ms ({t_inv / t_plain:.3f}x TP 1), TP 1 {t_plain:.3f} ms, TP {a.invariant} "
                   f"{t_tp:.3f} ms ({t_tp / t_plain:.3f}x TP 1); TP 1 default vs invariant: identical prompts "

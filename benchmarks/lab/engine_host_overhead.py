@@ -1,5 +1,5 @@
 """Host (CPU) time of one engine step outside the model, and how much of it asynchronous output
-processing hides behind the device's work (``KVPILOT_ASYNC_OUTPUT``).
+processing hides behind the device's work (``Tuning.async_output``).
 
 The model is replaced by a fake executor, so only the engine's own work is real, plus (unless
 ``--no-runner-host``) the model runner's host side: a decode-only step fills the CUDA-graph input
@@ -40,7 +40,6 @@ sees changing text.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -234,8 +233,8 @@ def main() -> int:
     if device == "sleep":
         torch.set_num_threads(1)  # the engine is one thread; intra-op threads only add noise on a busy CPU
 
-    os.environ.setdefault("KVPILOT_CUDA_GRAPHS", "0")  # the model is replaced: capture nothing
     from kvpilot import LLM, KvCacheConfig
+    from kvpilot.tuning import Tuning
     from kvpilot.tools.convert_llama2c import ensure_stories260k
 
     max_batch = max(args.batch)
@@ -245,7 +244,8 @@ def main() -> int:
     # Every sequence fits at full length: no preemption, as in the H200 run's KV pool.
     llm = LLM(str(ensure_stories260k()), skip_tokenizer_init=not args.tokenizer, max_batch_size=args.max_batch_size,
               max_num_tokens=8192, max_seq_len=seq_len + 32, device="cuda" if device == "cuda" else "cpu",
-              kv_cache_config=KvCacheConfig(max_tokens=max_batch * (seq_len + 64)))
+              kv_cache_config=KvCacheConfig(max_tokens=max_batch * (seq_len + 64)),
+              tuning=Tuning(cuda_graphs=False))  # the model is replaced: capture nothing
     core = llm._core
     runner = None if args.no_runner_host else core.executor
     ex = _FakeExecutor(core.executor.num_blocks, core.executor.block_size, llm.model_config.vocab_size,

@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, port: int, out, sweep: bool = False) -> None:
     symm_mem.rendezvous(buf, group)
     from kvpilot.parallel.custom_all_reduce import CustomAllReduce
 
-    os.environ["KVPILOT_TP_CUSTOM_ALLREDUCE_MAX_TOKENS"] = str(max(SIZES) // 4096)
-    car = CustomAllReduce.create(group, rank, world, dev, REPS, 4096) if world == 2 else None
+    car = (CustomAllReduce.create(group, rank, world, dev, REPS, 4096, max_tokens=max(SIZES) // 4096)
+           if world == 2 else None)
     rows = []
     for n in SIZES:
         # Small integers are exact in bf16, so the sum is checkable bit for bit.

@@ -15,7 +15,7 @@ max_num_tokens 8192, ``--kv-dtype``), then runs every workload with ``async_sche
     python3 benchmarks/lab/gpu_async_scheduling.py [--batch 492] [--output-len 128] [--kv-dtype fp8]
 
 ``--tiny`` runs the same logic on a two-layer random model (on the CPU too, with
-``KVPILOT_ASYNC_SCHEDULING`` irrelevant: the mode is switched per run).
+``Tuning.async_scheduling`` irrelevant: the mode is switched per run).
 """
 
 from __future__ import annotations

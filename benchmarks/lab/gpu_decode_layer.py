@@ -40,8 +40,7 @@ from kvpilot.kernels import kv_cache as kv_mod
 from kvpilot.kernels import pointwise as pw_mod
 
 # The variants compared here are the unfused layer paths (fused decode GEMVs are timed by
-# gpu_gemv.py / gpu_fused_gemv_engine.py); the layers below read this at construction.
-os.environ.setdefault("KVPILOT_FUSED_GEMV", "0")
+# gpu_gemv.py / gpu_fused_gemv_engine.py): `build_layers` builds them with fused_gemv=False.
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -215,8 +214,9 @@ def model_config(layers: int):
     )  # fmt: skip
 
 
-def build_layers(layers: int, context: int):
-    """Random bf16 layers, one shuffled KV pool per layer (random contents), batch-1 decode metadata."""
+def build_layers(layers: int, context: int, fused_gemv: bool = False):
+    """Random bf16 layers, one shuffled KV pool per layer (random contents), batch-1 decode metadata;
+    ``fused_gemv``: the layers' `Tuning.fused_gemv`."""
     cfg = model_config(layers)
     pc = llama.ParallelContext()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -228,7 +228,7 @@ def build_layers(layers: int, context: int):
     try:
         for i in range(layers):
             with torch.device("cuda"):
-                layer = llama.LlamaDecoderLayer(cfg, i, pc)
+                layer = llama.LlamaDecoderLayer(cfg, i, pc, fused_gemv=fused_gemv)
             with torch.no_grad():
                 for name, p in layer.named_parameters():
                     if name.endswith("norm.weight"):

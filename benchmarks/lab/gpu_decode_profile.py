@@ -42,8 +42,9 @@ def copy_bandwidth() -> float:
 
 
 def build_runner(layers: int, max_seq_len: int, max_batch_size: int, kv_dtype: str = "auto",
-                 free_gpu_memory_fraction: float = 0.5):
-    """A `ModelRunner` of Llama-3.1-8B's shape (``layers`` layers) with random weights on the GPU."""
+                 free_gpu_memory_fraction: float = 0.5, tuning=None):
+    """A `ModelRunner` of Llama-3.1-8B's shape (``layers`` layers) with random weights on the GPU;
+    ``tuning``: its `kvpilot.tuning.Tuning` (default: the defaults)."""
     from transformers import LlamaConfig
 
     import kvpilot.runner.model_runner as mr
@@ -70,7 +71,8 @@ def build_runner(layers: int, max_seq_len: int, max_batch_size: int, kv_dtype: s
     mcfg = ModelConfig.from_dir(path)
     kv = KvCacheConfig(free_gpu_memory_fraction=free_gpu_memory_fraction, dtype=kv_dtype)
     return mr.ModelRunner(path, mcfg, kv, max_num_tokens=8192,
-                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, device="cuda", dtype="bfloat16")
+                          max_batch_size=max_batch_size, max_seq_len=max_seq_len, device="cuda", dtype="bfloat16",
+                          tuning=tuning)
 
 
 def decode_seqs(runner, b: int, ctx: int, scatter: bool):

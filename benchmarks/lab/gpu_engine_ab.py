@@ -9,7 +9,7 @@ variant, switched at run time between runs:
 - ``default``: the tree as it is;
 - ``prefill_kernel_decodes``: decode rows of mixed steps left in the prefill kernel
   (``TUNING["prefill"]["decode_rows_to_decode_kernel"] = False``);
-- ``torch_sampler``: ``KVPILOT_TRITON_SAMPLER=0`` (the PyTorch sampler);
+- ``torch_sampler``: the engine's sampler on its PyTorch backend (what ``Tuning(triton_sampler=False)`` builds);
 - ``default`` again, to show the drift between runs.
 
 For each it prints the mean wall time of decode-only steps and of steps with prefill (the engine's
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -38,13 +37,13 @@ from kvpilot.tools.random_model import LLAMA31_8B, write_random_llama  # noqa: E
 from gpu_recheck import StepLog, build  # noqa: E402
 
 
-def _variants(attention):
+def _variants(attention, llm):
     cfg = attention.TUNING["prefill"]
 
     def set_(decode_kernel: bool, triton_sampler: bool):
         def apply():
             cfg["decode_rows_to_decode_kernel"] = decode_kernel
-            os.environ["KVPILOT_TRITON_SAMPLER"] = "1" if triton_sampler else "0"
+            llm._core.sampler.backend = "auto" if triton_sampler else "torch"
         return apply
 
     return [("default", set_(True, True)), ("prefill_kernel_decodes", set_(False, True)),
@@ -87,7 +86,7 @@ def main() -> None:
     print(f"\n{args.num_prompts} x (1000 in + {args.output_len} out), fresh prompts per run")
     print("| variant | output tok/s | decode-only steps x ms (batch) | steps with prefill x ms (tokens, decodes) |")
     print("|---|---:|---:|---:|")
-    for name, apply in (_variants(attention) if args.variants != "0" else []):
+    for name, apply in (_variants(attention, llm) if args.variants != "0" else []):
         apply()
         run_throughput(llm, prompts_(32), 4)  # warm the variant's kernels
         log.rows.clear()
@@ -99,7 +98,7 @@ def main() -> None:
         print(f"| {name} | {tp['output_tokens_per_s']:.0f} | {d.get('steps')} x {d.get('mean_ms', 0):.2f} "
               f"({d.get('mean_generation_requests', 0):.0f}) | {m.get('steps')} x {m.get('mean_ms', 0):.2f} "
               f"({m.get('mean_tokens', 0):.0f}, {m.get('mean_generation_requests', 0):.0f}) |", flush=True)
-    _variants(attention)[0][1]()
+    _variants(attention, llm)[0][1]()
 
     if args.offline_decode_batch:
         offline_decode(llm, log, prompts_, args.offline_decode_batch, args.out)

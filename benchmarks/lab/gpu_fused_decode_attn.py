@@ -11,7 +11,7 @@ launches attention for the context bound the engine's decode graph of that conte
 smallest of 2,048, 8,192, 32,768 keys that holds it). ``VARIANTS`` are timed as microseconds per
 layer in one CUDA graph of all layers, alternated ``--rounds`` times:
 
-- ``unfused``: ``KVPILOT_FUSED_DECODE_ATTN=0`` (rotary + KV write, split decode, split merge);
+- ``unfused``: ``fused_rotary_max_seqs`` 0 (rotary + KV write, split decode, split merge);
 - ``fused``: today's launch (``kernels.attention.TUNING["decode"]``: 4 warps per program up to a
   bound of ``fused_long_keys``, 2 above);
 - ``fused w4`` / ``fused w2``: 4 or 2 warps at every bound;
@@ -29,7 +29,6 @@ KV cache must equal ``unfused``'s bit for bit (same new key and value written); 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -42,35 +41,29 @@ from kernels_gpu import copy_bandwidth_gbs  # noqa: E402
 
 from kvpilot.kernels import attention as A  # noqa: E402
 
-VARIANTS = {  # name -> (KVPILOT_FUSED_DECODE_ATTN, TUNING["decode"] overrides)
-    "unfused": ("0", {}),
-    "fused": ("1", {}),
-    "fused w4": ("1", {"fused_num_warps_long": 4}),
-    "fused w2": ("1", {"fused_num_warps": 2}),
-    "fused max32 merge128": ("1", {"fused_max_splits": 32, "fused_merge_rows": 128}),
-    "fused w1": ("1", {"fused_num_warps": 1, "fused_num_warps_long": 1}),
-    "fused w1 short": ("1", {"fused_num_warps": 1}),
+VARIANTS = {  # name -> TUNING["decode"] overrides (fused_rotary_max_seqs 0: every batch unfused)
+    "unfused": {"fused_rotary_max_seqs": 0},
+    "fused": {},
+    "fused w4": {"fused_num_warps_long": 4},
+    "fused w2": {"fused_num_warps": 2},
+    "fused max32 merge128": {"fused_max_splits": 32, "fused_merge_rows": 128},
+    "fused w1": {"fused_num_warps": 1, "fused_num_warps_long": 1},
+    "fused w1 short": {"fused_num_warps": 1},
 }
 BUCKETS = (2048, 8192, 32768)
 
 
 class Variant:
     def __init__(self, name: str) -> None:
-        self.env, self.tuning = VARIANTS[name]
+        self.tuning = VARIANTS[name]
 
     def __enter__(self):
-        self.saved_env = os.environ.get("KVPILOT_FUSED_DECODE_ATTN")
         self.saved = {k: A.TUNING["decode"][k] for k in self.tuning}
-        os.environ["KVPILOT_FUSED_DECODE_ATTN"] = self.env
         A.TUNING["decode"].update(self.tuning)
         return self
 
     def __exit__(self, *exc):
         A.TUNING["decode"].update(self.saved)
-        if self.saved_env is None:
-            os.environ.pop("KVPILOT_FUSED_DECODE_ATTN", None)
-        else:
-            os.environ["KVPILOT_FUSED_DECODE_ATTN"] = self.saved_env
         return False
 
 

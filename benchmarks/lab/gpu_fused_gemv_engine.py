@@ -1,8 +1,8 @@
-"""Batch-1 CUDA-graph decode step with the fused decode GEMVs on and off (``KVPILOT_FUSED_GEMV``).
+"""Batch-1 CUDA-graph decode step with the fused decode GEMVs on and off (``Tuning.fused_gemv``).
 
 Builds pairs of `ModelRunner`s of Llama-3.1-8B's shape the way benchmarks/lab/gpu_decode_profile.py
 does (`build_runner`: random bf16 weights drawn from one seed, so both runners of a pair hold the
-same weights), one with ``KVPILOT_FUSED_GEMV=1`` and one with ``0``, each capturing its batch-1
+same weights), one with ``Tuning(fused_gemv=True)`` and one with ``False``, each capturing its batch-1
 decode graph (prefill graphs off: only decode is timed).
 
 1. Correctness, on a pair of ``--check-layers`` (2) layers: the fused runner launches the Triton
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 import time
@@ -37,10 +36,10 @@ from gpu_decode_profile import build_runner, decode_seqs, step_ms  # benchmarks/
 
 
 def make_runner(fused: bool, layers: int, max_seq_len: int):
-    os.environ["KVPILOT_FUSED_GEMV"] = "1" if fused else "0"
-    os.environ["KVPILOT_PREFILL_GRAPHS"] = "0"
+    from kvpilot.tuning import Tuning
+
     t = time.perf_counter()
-    runner = build_runner(layers, max_seq_len, max_batch_size=1)
+    runner = build_runner(layers, max_seq_len, max_batch_size=1, tuning=Tuning(fused_gemv=fused, prefill_graphs=False))
     assert runner.model.fused_gemv is fused
     print(f"runner fused_gemv={int(fused)}: {runner.num_blocks} blocks, graphs {sorted(runner.graphs.graphs)}, "
           f"built in {time.perf_counter() - t:.1f} s", flush=True)

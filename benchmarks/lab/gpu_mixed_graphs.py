@@ -23,7 +23,7 @@ It also prints the graphs' capture count and time, and the GPU time of each grap
 events), i.e. what is left once launch overhead is gone.
 
 The engine captures prefill graphs up to 256 tokens by default (`default_token_buckets` says
-why); this script raises the cap to 1,024 (``KVPILOT_PREFILL_GRAPH_TOKENS``, unless set) so that the
+why); this script raises the cap to 1,024 (``--prefill-graph-tokens``, `Tuning.prefill_graph_tokens`) so that the
 575-token mixed case has a graph to compare.
 
     python3 benchmarks/lab/gpu_mixed_graphs.py [--layers 8] [--iters 20] [--out $OUT]
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -101,10 +100,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--model-dir", default=None, help="default /tmp/kvpilot-llama8b-random[-L<layers>]")
     ap.add_argument("--out", default=None, help="folder for the JSON result")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=1024, help="Tuning.prefill_graph_tokens (default 1024)")
     args = ap.parse_args()
 
-    os.environ.setdefault("KVPILOT_PREFILL_GRAPH_TOKENS", "1024")
     from kvpilot.config import KvCacheConfig
+    from kvpilot.tuning import Tuning
     from kvpilot.model.config import ModelConfig
     from kvpilot.runner.model_runner import ModelRunner
 
@@ -114,11 +114,12 @@ def main() -> int:
         write_random_llama(path, cfg, dtype=torch.bfloat16, device="cuda")
     t0 = time.perf_counter()
     runner = ModelRunner(path, ModelConfig.from_dir(path), KvCacheConfig(max_tokens=262144), max_num_tokens=8192,
-                         max_batch_size=256, max_seq_len=8192, device="cuda", dtype="bfloat16")
+                         max_batch_size=256, max_seq_len=8192, device="cuda", dtype="bfloat16",
+                         tuning=Tuning(prefill_graph_tokens=args.prefill_graph_tokens))
     load_s = time.perf_counter() - t0
     pg, dg = runner.prefill_graphs, runner.graphs
     if pg is None or dg is None:
-        print("FAIL: graphs were not captured (KVPILOT_CUDA_GRAPHS / KVPILOT_PREFILL_GRAPHS set to 0?)")
+        print("FAIL: graphs were not captured (see the warnings above)")
         return 1
     torch.manual_seed(0)
     for cache in runner.kv_caches:

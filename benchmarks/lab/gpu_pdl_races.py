@@ -328,7 +328,7 @@ def chain_worker(mode: str, layers: int, out_path: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import gpu_decode_layer as gdl
 
-    mods, caches, meta, positions, cos_sin, hidden0 = gdl.build_layers(layers, 4096)
+    mods, caches, meta, positions, cos_sin, hidden0 = gdl.build_layers(layers, 4096, fused_gemv=True)
     with torch.inference_mode():
         gdl.run_layers(mods, caches, meta, positions, cos_sin, hidden0)  # compile outside the capture
         _sync()

@@ -136,7 +136,7 @@ def check_padding(model: Path, device: str, steps: int) -> tuple[bool, list[str]
         pg = cpu_graph_class(PrefillGraphs)(runner)
         pg.capture()
     if pg is None:
-        return False, ["FAIL: no prefill graphs were captured (KVPILOT_CUDA_GRAPHS / KVPILOT_PREFILL_GRAPHS = 0?)"]
+        return False, ["FAIL: no prefill graphs were captured (see the warnings above)"]
     buckets = list(pg.token_buckets)
     width = runner.max_blocks_per_seq
     sched = RandomSchedule(runner.num_blocks, width, max_bs, BLOCK, max_seq, 30000, 600,

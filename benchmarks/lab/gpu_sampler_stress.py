@@ -4,11 +4,11 @@ The pivot path's scratch buffers are uninitialised (`kernels/sampling.py`, `_car
 kernel reads before a pass writes it must never feed an address. Before each call this script fills
 the caching allocator's free blocks (small and large pools) with random 32-bit words, so a read of
 unwritten scratch that reaches an address shows up as an illegal memory access (or, with
-``KVPILOT_SAMPLING_CHECK=1``, as a clamped, recorded index that `draw` raises on). Each call's
+``--check``, as a clamped, recorded index that `draw` raises on: `Tuning.sampling_check`). Each call's
 tokens are compared with ``Sampler("torch")`` (the PyTorch candidate path, same noise).
 
     python3 benchmarks/lab/gpu_sampler_stress.py --calls 400          # exits 1 on a mismatch
-    KVPILOT_SAMPLING_CHECK=1 python3 benchmarks/lab/gpu_sampler_stress.py --calls 400
+    python3 benchmarks/lab/gpu_sampler_stress.py --calls 400 --check
 
 Scenarios (batch 256 x 128,256 float32 by default): top-p 0.9 / 0.3 / 0.05, min-p 0.05, top-p +
 min-p, and a mix with top-k rows (window path) beside pivot rows; flat (std 1), LLM-like (std 1.3)
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run under TRITON_INTERPRET=1")
+    ap.add_argument("--check", action="store_true", help="the pivot kernels' index checks (draw(check=True))")
     args = ap.parse_args()
     from kvpilot.kernels import sampling as ks
     from kvpilot.sampling.sampler import Sampler, SamplingRow
@@ -59,7 +60,7 @@ def main() -> None:
         "top_p": dict(top_p=0.9), "top_p_low": dict(top_p=0.3), "top_p_tiny": dict(top_p=0.05),
         "min_p": dict(min_p=0.05), "top_p_min_p": dict(top_p=0.9, min_p=0.05), "mix": None,
     }
-    fast, ref = Sampler("triton"), Sampler("torch")
+    fast, ref = Sampler("triton", check=args.check), Sampler("torch")
     default = dict(ks.CONFIG)
     bad = calls = 0
     t0 = time.perf_counter()

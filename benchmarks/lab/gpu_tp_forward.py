@@ -166,5 +166,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("KVPILOT_STEP_TIMING", "0")
     sys.exit(main())

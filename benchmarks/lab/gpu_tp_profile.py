@@ -1,31 +1,31 @@
 """Where a tensor/pipeline-parallel decode step's time goes (2 GPUs, Llama-3.1-8B shape, random bf16).
 
 For each layout (default ``1x1``, ``2x1``, ``1x2`` with pipeline-stage decode graphs, ``1x2`` with
-eager stages: ``KVPILOT_PP_CUDA_GRAPHS=0``), one `LLM` in turn on the random model of
+eager stages: ``pp_cuda_graphs=0``), one `LLM` in turn on the random model of
 ``kvpilot.tools.random_model`` (written once to ``--model-dir``, reused when present):
 
 - greedy tokens of 4 fixed prompts x 32 tokens (with each step's top-2 logprobs), compared with the
   first layout's;
 - batch-1 inter-token latency: (time of a 1+N-token request - time of a 1-token request) / N,
   median of 3, after a warm-up;
-- with ``KVPILOT_STEP_TIMING=1`` (set here for every layout), the per-phase table of
+- with ``Tuning.step_timing`` (set here for every layout), the per-phase table of
   `MultiprocExecutor.step_timing` over exactly those ITL runs (front end: send / wait_answer /
   logits / host_between_steps; each rank: idle / recv / prepare_launch / answer / GPU completion).
 - with ``--sampled``, the same ITL of a sampled request (temperature 0.8, top-p 0.9, seed 1) after a
   sampled warm-up, with its own step table, the rows that fell back to the exact draw, whether every
   seeded run drew the same tokens (information), and how many steps the TP output rank drew itself
-  (asynchronous steps: its own `Sampler`, ``SYNC_SELF``; ``KVPILOT_TP_RANK_SAMPLING=0`` leaves them to
+  (asynchronous steps: its own `Sampler`, ``SYNC_SELF``; ``tp_rank_sampling=0`` leaves them to
   the front end's sampler, ``SYNC_GO``).
 
-A layout is ``TxP`` or ``TxP:KEY=VAL;KEY=VAL`` (environment for that layout only); e.g.
-``2x1:KVPILOT_LOGITS_EVENT=0;KVPILOT_PIPE_SPIN_US=0`` is the old answer path (the output worker
+A layout is ``TxP`` or ``TxP:FIELD=VAL;FIELD=VAL`` (`kvpilot.tuning.Tuning` overrides for that layout); e.g.
+``2x1:logits_event=0;pipe_spin_us=0`` is the old answer path (the output worker
 synchronizes before answering, no pipe spinning) for an A/B on the same machine.
 
 Self-check (exit status 1): a layout's first generated token differs from the first layout's; two
 layouts of the same ``TxP`` shape (A/B variants) differ in a token other than at a bf16 near-tie (the
 later layout's token is the earlier one's second choice there, within `NEAR_TIE` nats; a graph step
 pads its batch, which may change the rounding of a matrix product); with ``--sampled``, two layouts
-whose environments differ only in ``KVPILOT_TP_RANK_SAMPLING`` drew different sampled tokens (the
+whose `Tuning` overrides differ only in ``tp_rank_sampling`` drew different sampled tokens (the
 same logits, so the output rank's draw must be the front end's bit for bit); or a pipeline layout with stage
 graphs on reports no graph replay on some rank (step timing's ``stage_graph`` phase). Later tokens of a
 different shape may diverge on random weights (bf16, another summation order): the first divergence
@@ -33,12 +33,14 @@ index is printed. Results also go to ``$OUT/gpu_tp_profile.json``.
 
 Usage (an nvidia-h200-x2, about 2-3 minutes; from the repo root by path, never ``python -m``):
 ``python3 benchmarks/lab/gpu_tp_profile.py``; the sampling path at TP 2, the output rank's against the
-front end's: ``--layouts "1x1,2x1,2x1:KVPILOT_TP_RANK_SAMPLING=0" --sampled``.
+front end's: ``--layouts "1x1,2x1,2x1:tp_rank_sampling=0" --sampled``. A layout is ``TPxPP`` with optional
+`kvpilot.tuning.Tuning` overrides after a colon, ``;``-separated.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -52,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvpilot.tools.random_model import LLAMA31_8B, TINY, write_random_llama  # noqa: E402
 
-DEFAULT_LAYOUTS = "1x1,2x1,1x2,1x2:KVPILOT_PP_CUDA_GRAPHS=0"
+DEFAULT_LAYOUTS = "1x1,2x1,1x2,1x2:pp_cuda_graphs=0"
 NEAR_TIE = 0.15  # nats: graph vs eager PP 2 parted at a 0.094-nat gap on this random model (H200, 2026-11-30)
 
 
@@ -74,22 +76,27 @@ def twin_mismatch(a: dict, b: dict) -> str | None:
 
 
 def _env_but_sampling(layout: str) -> dict:
-    """A layout's environment without ``KVPILOT_TP_RANK_SAMPLING`` (which only moves the draw)."""
-    return {k: v for k, v in _layout(layout)[2].items() if k != "KVPILOT_TP_RANK_SAMPLING"}
+    """A layout's `Tuning` overrides without ``tp_rank_sampling`` (which only moves the draw)."""
+    return {k: v for k, v in _layout(layout)[2].overrides().items() if k not in ("tp_rank_sampling", "step_timing")}
 
 
-def _layout(text: str) -> tuple[int, int, dict]:
-    shape, _, env = text.partition(":")
+def _layout(text: str):
+    """``TPxPP[:field=value;field=value]`` -> (tp, pp, the layout's `kvpilot.tuning.Tuning`)."""
+    from kvpilot.tuning import parse_overrides
+
+    shape, _, fields = text.partition(":")
     tp, pp = (int(v) for v in shape.split("x"))
-    return tp, pp, dict(kv.split("=", 1) for kv in env.split(";") if kv)
+    tuning = parse_overrides(",".join(f for f in fields.split(";") if f))
+    return tp, pp, tuning
 
 
-def run_layout(model: Path, tp: int, pp: int, a, prompts) -> dict:
+def run_layout(model: Path, tp: int, pp: int, a, prompts, tuning=None) -> dict:
     from kvpilot import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    kw = {} if tuning is None else {"tuning": tuning}
     llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True,
-              max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device)
+              max_seq_len=a.max_seq_len, max_batch_size=a.max_batch_size, device=a.device, **kw)
     res: dict = {"tp": tp, "pp": pp, "load_s": round(time.perf_counter() - t0, 1)}
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=a.greedy_len, ignore_eos=True,
@@ -164,7 +171,6 @@ def main() -> int:
     p.add_argument("--max-batch-size", type=int, default=8, help="few graphs to capture: batch 1 is measured")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ["KVPILOT_STEP_TIMING"] = "1"
     from kvpilot.parallel.executor import format_step_timing
 
     out = Path(a.out)
@@ -179,17 +185,14 @@ def main() -> int:
     prompts = [torch.randint(3, cfg["vocab_size"], (n,), generator=g).tolist() for n in (16, 40, 7, 100)]
     results, ok = [], True
     for text in a.layouts.split(","):
-        tp, pp, env = _layout(text)
-        os.environ.update(env)
+        tp, pp, tuning = _layout(text)
+        tuning = dataclasses.replace(tuning, step_timing=True)
         try:
-            res = run_layout(model, tp, pp, a, prompts)
+            res = run_layout(model, tp, pp, a, prompts, tuning)
         except Exception as e:  # noqa: BLE001 - report it and go on with the next layout
             logging.exception("layout %s failed", text)
             res = {"tp": tp, "pp": pp, "error": repr(e)[:2000]}
             ok = False
-        finally:
-            for k in env:
-                os.environ.pop(k, None)
         res["layout"] = text
         results.append(res)
         (out / "gpu_tp_profile.json").write_text(json.dumps(results, indent=1))
@@ -207,8 +210,8 @@ def main() -> int:
         if path_twin is not None and "sampled_tokens" in res and path_twin["sampled_tokens"] != res["sampled_tokens"]:
             bad_twin = (bad_twin or "") + f" sampled tokens differ from {path_twin['layout']}'s"
         # Stage graphs on (the default) must have been replayed on every rank.
-        graphs_on = pp > 1 and torch.cuda.is_available() and a.device != "cpu" and all(
-            env.get(k, "1") != "0" for k in ("KVPILOT_PP_CUDA_GRAPHS", "KVPILOT_CUDA_GRAPHS"))
+        graphs_on = (pp > 1 and torch.cuda.is_available() and a.device != "cpu" and tuning.pp_cuda_graphs
+                     and tuning.cuda_graphs)
         replays = {r: t.get("stage_graph", {}).get("n", 0) for r, t in res.get("timing", {}).get("ranks", {}).items()}
         res["stage_graph_replays"] = replays
         no_graphs = graphs_on and (not replays or min(replays.values()) == 0)

@@ -7,7 +7,7 @@ collectives, logits on the pipe. This measures it per layout, before/after A/B s
     cd /tmp && /work/main/.venv/bin/python /work/main/benchmarks/lab/parallel_step_cpu.py --layouts 1x1,2x1,1x2
 
 Per layout: batch-1 inter-token latency ((time of 1+N tokens - time of 1 token) / N, median of 5)
-and the time per decode step at batch 32; with ``KVPILOT_STEP_TIMING=1`` also the per-phase table
+and the time per decode step at batch 32; with ``--tuning step_timing=1`` also the per-phase table
 of `MultiprocExecutor.step_timing` for the batch-1 run. Greedy tokens are compared with the first
 layout's (exit status 1 on a mismatch).
 """
@@ -28,9 +28,10 @@ from kvpilot.tools.random_model import TINY, write_random_llama  # noqa: E402
 
 def run(model: Path, tp: int, pp: int, a) -> dict:
     from kvpilot import LLM, SamplingParams
+    from kvpilot.tuning import parse_overrides
 
     llm = LLM(str(model), tensor_parallel_size=tp, pipeline_parallel_size=pp, skip_tokenizer_init=True,
-              max_seq_len=512, max_batch_size=64, device="cpu", dtype="float32")
+              max_seq_len=512, max_batch_size=64, device="cpu", dtype="float32", tuning=parse_overrides(a.tuning))
     try:
         prompts = [[1, 7 + i, 99, 250 + i] for i in range(a.batch)]
         sp = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
@@ -59,6 +60,7 @@ def main() -> int:
     p.add_argument("--layouts", default="1x1,2x1,1x2")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--tuning", default="", help="kvpilot.tuning.Tuning overrides for every layout, e.g. step_timing=1")
     a = p.parse_args()
     import kvpilot.parallel.executor as par
 

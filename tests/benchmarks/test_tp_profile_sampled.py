@@ -14,12 +14,6 @@ from support.paths import REPO
 ROOT = REPO
 
 
-# ---- the ready message in a group whose ranks do not all have a pipe --------------------------------
-
-
-# ---- benchmarks/lab/gpu_tp_profile.py --sampled ---------------------------------------------------------
-
-
 # ---- benchmarks/lab/gpu_tp_profile.py --sampled ----------------------------------------------------------
 
 def _load_profile():

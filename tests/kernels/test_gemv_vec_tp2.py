@@ -21,8 +21,7 @@ BENCH = BENCHMARK_LAB
 
 @pytest.fixture(scope="module")
 def V():
-    # gpu_decode_layer (imported by the script) sets KVPILOT_FUSED_GEMV=0 for its own runs: keep
-    # that out of this process's environment.
+    # importing the scripts must leave this process's environment as it was.
     saved = dict(os.environ)
     try:
         return load_benchmark("gpu_gemv_vec")

@@ -1,7 +1,7 @@
-"""Tensor-parallel-invariant mode (``Tuning.tp_invariant=T``; docs/parallelism.md).
+"""Tensor-parallel-invariant mode (``Tuning(tp_invariant=T)``; docs/parallelism.md).
 
-``T`` (default 0 = off) is read once when the model is built (`kvpilot.model.llama.LlamaForCausalLM`), so
-spawned workers inherit it. Every layout then computes the decomposition of a TP-``T`` group: TP
+``T`` (default 0 = off) comes with the model's `kvpilot.tuning.Tuning` (`kvpilot.model.llama.LlamaForCausalLM`),
+which every worker gets in its `WorkerSpec`. Every layout then computes the decomposition of a TP-``T`` group: TP
 ``t`` for any ``t`` dividing ``T`` (TP 1 included) gives bit-identical logits. ``T`` must be a
 multiple of ``tensor_parallel_size`` ``t`` and divide the attention heads, the KV heads and
 ``intermediate_size`` (`tp_invariant_shards`; ValueError at build otherwise). Each rank holds

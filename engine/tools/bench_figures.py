@@ -413,7 +413,7 @@ def fig_serve(ctx: Context) -> list[Row]:
     from kvpilot.server.app import attach_engine, create_app
     from kvpilot.server.launcher import free_port
     from kvpilot.server.state import ServerState
-    from kvpilot.tools.bench import run_serve_benchmark, summarize
+    from kvpilot.tools.bench_serve import run_serve_benchmark, summarize
 
     s = ctx.sizes
     llm = ctx.engine("fp8")

@@ -1,9 +1,10 @@
 """The environment variables kvpilot reads: the only module that reads ``os.environ``.
 
 Operational settings only (where files are, the API key, the CPU KV pool, the distributed
-timeout); everything a user tunes per engine is an `LLM` argument / ``kvpilot serve`` flag gathered
-into `kvpilot.config.EngineConfig`, and the performance switches are fields of
-`kvpilot.tuning.Tuning`, set for benchmarks through ``KVPILOT_TUNING`` (below) or ``LLM(tuning=...)``.
+timeout); everything a user tunes per engine is an `LLM` argument / ``kvpilot serve`` flag, and the
+performance switches are fields of `kvpilot.tuning.Tuning`, set for benchmarks through
+``KVPILOT_TUNING`` (below, read once by `LLM`) or ``LLM(tuning=...)``. The README's table of
+variables is `markdown_table`.
 
 Every variable is read when its accessor is called (never at import), so a process may set it
 before creating an engine. An empty value counts as unset. A value that does not parse raises

@@ -41,7 +41,7 @@ by default, like vLLM's and TensorRT-LLM's bf16 all-reduce: the bf16 all-reduce 
 (tensor-parallel rank 0 adds the bias inside its GEMM). Every rank holds the whole
 bias of a row-parallel layer (`weights.load_weights`); it is added exactly once either way.
 
-Tensor-parallel-invariant mode (``Tuning.tp_invariant=T``, default off): the layers of
+Tensor-parallel-invariant mode (``Tuning(tp_invariant=T)``, default off): the layers of
 `kvpilot.model.tp_invariant` (`InvariantDecoderLayer`) replace the default ones when the model is built;
 see that module.
 """

@@ -31,8 +31,7 @@ def _run(model_dir, tp, pp, monkeypatch, env):
                   for p in prompts[:2]]
         timing = ex.step_timing()
         mode = ex.logits_mode
-    for k in env:
-        monkeypatch.delenv(k)
+    monkeypatch.delenv("KVPILOT_TUNING")
     return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs], single,
             timing, mode)
 
@@ -72,8 +71,7 @@ def _run_graphs(model_dir, tp, pp, monkeypatch, env):
         single = [llm.generate(p, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)).outputs[0].token_ids
                   for p in prompts[:3]]
         timing = llm._executor.step_timing()
-    for k in env:
-        monkeypatch.delenv(k)
+    monkeypatch.delenv("KVPILOT_TUNING")
     return ([o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], single, timing)
 
 

@@ -93,6 +93,7 @@ def _script_run(model_dir, monkeypatch, rank_sampling: str):  # noqa: F811
             counts = (ex.num_rank_sampled_steps, ex.num_self_steps, ex.num_rank_redrawn_rows,
                       core.scheduler.num_preemptions, over)
     finally:
+        monkeypatch.delenv("KVPILOT_TUNING")
     return got, counts
 
 

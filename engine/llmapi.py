@@ -7,6 +7,6 @@ the package. The objects are the same as ``kvpilot``'s top-level ones.
 from kvpilot.config import KvCacheConfig
 from kvpilot.llm import LLM
 from kvpilot.outputs import CompletionOutput, RequestOutput
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "GuidedDecodingParams", "KvCacheConfig", "LLM", "RequestOutput", "SamplingParams"]

@@ -6,7 +6,8 @@ the package. The objects are the same as ``kvpilot``'s top-level ones.
 
 from kvpilot.config import KvCacheConfig
 from kvpilot.llm import LLM
+from kvpilot.lora.config import LoraConfig
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.sampling_params import SamplingParams
 
-__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "LoraConfig", "RequestOutput", "SamplingParams"]

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig
+from kvpilot.config import KvCacheConfig, MoeConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -62,6 +62,10 @@ class LLM:
             (positions the model was not trained on; its output there is usually poor).
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
             pick one with ``lora_request``. One GPU only (no tensor or pipeline parallelism).
+        moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
+        moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
+            splits every expert over the tensor-parallel ranks, so only unset, 1 and
+            ``tensor_parallel_size`` are accepted (`kvpilot.config.check_moe_parallelism`).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -86,7 +90,8 @@ class LLM:
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
-                 lora_config: Optional[Any] = None) -> None:
+                 lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
+                 moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -103,11 +108,16 @@ class LLM:
                 raise ValueError("lora_config is supported on one GPU only (tensor_parallel_size=1, "
                                  "pipeline_parallel_size=1)")
         self.lora_config = lora_config
+        if moe_config is not None and not isinstance(moe_config, MoeConfig):
+            raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
+        check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.moe_config = moe_config or MoeConfig()
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        self.model_config.moe_backend = self.moe_config.backend
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())

@@ -31,6 +31,8 @@ class ModelConfig:
     mlp_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`)
+    moe_backend: str = "TRITON"
 
     @classmethod
     def from_dir(cls, model_dir: Path, trust_remote_code: bool = False) -> "ModelConfig":

@@ -15,7 +15,7 @@ import importlib
 _EXPORTS = {
     "LLM": "llm", "EngineDeadError": "outputs",
     "SamplingParams": "sampling_params",
-    "KvCacheConfig": "config",
+    "KvCacheConfig": "config", "QuantConfig": "config", "QuantAlgo": "config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
     "RequestError": "outputs", "RequestAborted": "outputs", "RequestTooLargeError": "outputs",
 }

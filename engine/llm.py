@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig
+from kvpilot.config import KvCacheConfig, QuantConfig
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -60,6 +60,9 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
+            FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
+            compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -81,7 +84,8 @@ class LLM:
                  max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
-                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None) -> None:
+                 allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
+                 quant_config: Optional[QuantConfig] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -93,7 +97,15 @@ class LLM:
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        if quant_config is not None and not isinstance(quant_config, QuantConfig):
+            raise TypeError(f"quant_config must be a kvpilot.llmapi.QuantConfig, got {type(quant_config).__name__}")
+        self.quant_config = quant_config or QuantConfig()
+        kv_dtype = self.quant_config.kv_cache_dtype(self.kv_cache_config)
+        if kv_dtype != self.kv_cache_config.dtype:
+            self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        if self.quant_config.quant_algo:
+            self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())

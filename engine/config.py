@@ -1,4 +1,4 @@
-"""Configuration records: `KvCacheConfig` and `QuantConfig` (public, TensorRT-LLM's names)."""
+"""Configuration records: `KvCacheConfig`, `MoeConfig`, `QuantConfig` (public, TensorRT-LLM's names)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,54 @@ class KvCacheConfig:
 def cpu_kv_cache_bytes() -> int:
     """Bytes the CPU backend may give its KV pool (``KVPILOT_CPU_KVCACHE_GB``, default 4)."""
     return envs.cpu_kv_cache_bytes()
+
+
+@dataclass
+class MoeConfig:
+    """How mixture-of-experts layers run (TensorRT-LLM's `MoeConfig`; ``LLM(moe_config=...)``).
+
+    Attributes:
+        backend: the experts' kernels: ``"TRITON"`` (default; ``kernels/fused_moe.py`` on CUDA, the
+            PyTorch reference on CPU) or ``"TORCH"`` (the reference everywhere: a loop over the
+            experts that received tokens). Case-insensitive. TensorRT-LLM's other backends
+            (``"CUTLASS"``, ``"TRTLLM"``, ``"DEEPGEMM"``, ...) are errors naming the supported ones.
+
+    Raises:
+        ValueError: an unsupported ``backend``.
+    """
+
+    backend: str = "TRITON"
+
+    def __post_init__(self) -> None:
+        from kvpilot.kernels.moe import check_backend
+
+        self.backend = check_backend(self.backend)
+
+
+def check_moe_parallelism(tensor_parallel_size: int, moe_expert_parallel_size: Optional[int],
+                          moe_tensor_parallel_size: Optional[int]) -> None:
+    """Check the MoE layout arguments of `kvpilot.LLM` (TensorRT-LLM's names).
+
+    kvpilot shards every expert over the tensor-parallel group (each expert's intermediate
+    dimension split, like a dense MLP's): ``moe_tensor_parallel_size`` may be left unset or equal
+    ``tensor_parallel_size``, and ``moe_expert_parallel_size`` unset or 1.
+
+    Raises:
+        ValueError: a value that is not a positive integer; expert parallelism
+            (``moe_expert_parallel_size > 1``, not implemented); a ``moe_tensor_parallel_size``
+            other than ``tensor_parallel_size``.
+    """
+    for name, value in (("moe_expert_parallel_size", moe_expert_parallel_size),
+                        ("moe_tensor_parallel_size", moe_tensor_parallel_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
+    if moe_expert_parallel_size not in (None, 1):
+        raise ValueError(f"moe_expert_parallel_size={moe_expert_parallel_size}: expert parallelism is not supported; "
+                         f"kvpilot splits every expert over the tensor-parallel ranks instead "
+                         f"(moe_expert_parallel_size=1, moe_tensor_parallel_size=tensor_parallel_size)")
+    if moe_tensor_parallel_size not in (None, tensor_parallel_size):
+        raise ValueError(f"moe_tensor_parallel_size={moe_tensor_parallel_size} must equal tensor_parallel_size="
+                         f"{tensor_parallel_size}: kvpilot splits every expert over all tensor-parallel ranks")
 
 
 class QuantAlgo(str, Enum):

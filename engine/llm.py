@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig, QuantConfig
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -60,6 +60,12 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
+            pick one with ``lora_request``. One GPU only (no tensor or pipeline parallelism).
+        moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
+        moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
+            splits every expert over the tensor-parallel ranks, so only unset, 1 and
+            ``tensor_parallel_size`` are accepted (`kvpilot.config.check_moe_parallelism`).
         quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
             FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
             compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
@@ -73,7 +79,9 @@ class LLM:
             cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
-            positions included); an unsupported architecture.
+            positions included); an unsupported architecture; ``lora_config`` with tensor or
+            pipeline parallelism, or an adapter of ``lora_config.lora_dir`` that does not fit the model
+            (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
@@ -85,6 +93,8 @@ class LLM:
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
+                 lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
+                 moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
                  quant_config: Optional[QuantConfig] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
@@ -93,6 +103,19 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if lora_config is not None:
+            from kvpilot.lora.config import LoraConfig
+
+            if not isinstance(lora_config, LoraConfig):
+                raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
+            if tensor_parallel_size * pipeline_parallel_size > 1:
+                raise ValueError("lora_config is supported on one GPU only (tensor_parallel_size=1, "
+                                 "pipeline_parallel_size=1)")
+        self.lora_config = lora_config
+        if moe_config is not None and not isinstance(moe_config, MoeConfig):
+            raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
+        check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.moe_config = moe_config or MoeConfig()
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
@@ -104,6 +127,7 @@ class LLM:
         if kv_dtype != self.kv_cache_config.dtype:
             self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        self.model_config.moe_backend = self.moe_config.backend
         if self.quant_config.quant_algo:
             self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
@@ -128,8 +152,14 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
+        self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
+        if lora_config is not None:
+            self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
+            for d in lora_config.lora_dir:  # checked against the model now, not at first use
+                self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
-                                max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse)
+                                max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
+                                max_loras=lora_config.max_loras if lora_config is not None else 0)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)
@@ -162,7 +192,21 @@ class LLM:
             return None, ids
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool) -> Request:
+    def _adapter(self, lora_request):
+        """The loaded adapter of ``lora_request`` (None for None), from the host-memory cache.
+
+        Raises:
+            ValueError: ``lora_request`` without ``lora_config``; a bad adapter (`kvpilot.lora.adapter.load_adapter`).
+            TypeError: not a `LoRARequest`.
+        """
+        if lora_request is None:
+            return None
+        if self.lora_cache is None:
+            raise ValueError("lora_request needs an LLM created with lora_config=LoraConfig(...)")
+        return self.lora_cache.get(lora_request)
+
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
+                      lora_request=None) -> Request:
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # A private, re-validated copy: fields changed after construction are checked again, and the
@@ -172,6 +216,7 @@ class LLM:
             raise ValueError(f"beam search with {params.num_candidates} beams needs that many batch slots and "
                              f"tokens per step; max_batch_size is {self.max_batch_size}, max_num_tokens is "
                              f"{self.max_num_tokens}")
+        adapter = self._adapter(lora_request)
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
@@ -198,7 +243,7 @@ class LLM:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
         rid = next(_request_ids)
         out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
-        req = Request(rid, ids, params, out)
+        req = Request(rid, ids, params, out, lora=adapter)
         base_seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
         # Beam search starts from one sequence and forks it (engine/core/beam_search.py).
         for i in range(1 if params.use_beam_search else params.num_candidates):
@@ -207,8 +252,11 @@ class LLM:
         return req
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False) -> RequestOutput:
+                       streaming: bool = False, lora_request=None) -> RequestOutput:
         """Queue one request and return its `RequestOutput` at once.
+
+        ``lora_request``: a `kvpilot.executor.LoRARequest` to run with that adapter (loaded into
+        host memory on this thread on first use), or None for the base model.
 
         ``await`` it for the finished result (or, with ``streaming=True``, ``async for`` over it and
         get a chunk per engine step). A non-streaming handle receives one update, when the request
@@ -218,13 +266,13 @@ class LLM:
             ValueError / TypeError: bad prompt or parameters (nothing is queued).
             EngineDeadError: the engine has shut down.
         """
-        req = self._make_request(inputs, sampling_params, streaming)
+        req = self._make_request(inputs, sampling_params, streaming, lora_request)
         self._loop.submit(req)
         return req.output
 
     def generate(self, inputs: Union[PromptInput, Seq[PromptInput]],
                  sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-                 use_tqdm: bool = True) -> Union[RequestOutput, list[RequestOutput]]:
+                 use_tqdm: bool = True, lora_request=None) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate for one prompt or a batch; results in input order.
 
         Args:
@@ -232,6 +280,8 @@ class LLM:
                 prompt: the BOS token alone, or a ValueError on a model without one.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over finished requests.
+            lora_request: a `kvpilot.executor.LoRARequest` for all prompts, or a list with one per
+                prompt (None entries: the base model); needs ``lora_config``.
         Returns:
             A `RequestOutput` for a single prompt, else a list of them.
         """
@@ -248,7 +298,13 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        reqs = [self._make_request(p, sp, False) for p, sp in zip(prompts, params)]
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
+        reqs = [self._make_request(p, sp, False, lr) for p, sp, lr in zip(prompts, params, loras)]
         for r in reqs:
             self._loop.submit(r)
         bar = None
@@ -384,6 +440,15 @@ def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long
                          f"positions the model was not trained on")
 
 
+def _lora_cache(executor, lora_config, cfg: ModelConfig):
+    from kvpilot.lora.adapter import AdapterCache, load_adapter
+    from kvpilot.lora.layers import model_targets
+
+    targets = model_targets(executor.model)
+    num_layers, rank, dtype = cfg.num_hidden_layers, lora_config.max_lora_rank, executor.dtype
+    return AdapterCache(lora_config, lambda req: load_adapter(req, targets, num_layers, rank, dtype))
+
+
 def _make_executor(llm: LLM, device: str, dtype: str):
     from kvpilot.runner.model_runner import ModelRunner
 
@@ -392,4 +457,5 @@ def _make_executor(llm: LLM, device: str, dtype: str):
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
-                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype)
+                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype,
+                       lora_config=llm.lora_config)

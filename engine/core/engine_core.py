@@ -191,6 +191,8 @@ class EngineCore:
             reads ``KVPILOT_ASYNC_SCHEDULING`` (default: on when the executor's ``device`` is CUDA).
             Takes effect only with an executor that has ``supports_async_scheduling``. May be
             changed between steps.
+        max_loras: LoRA adapters the executor holds at once (its device slots); 0 without LoRA. Each
+            planned sequence then carries its request's adapter (``ScheduledSeq.lora``).
 
     ``num_overlapped_steps`` counts the steps launched while the previous step's tokens were still
     on the device.
@@ -198,8 +200,10 @@ class EngineCore:
 
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
-                 async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None) -> None:
+                 async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None,
+                 max_loras: int = 0) -> None:
         self.executor = executor
+        self.max_loras = max_loras
         self.async_output = async_output_enabled() if async_output is None else async_output
         if async_scheduling is None:
             dev = getattr(executor, "device", None)
@@ -216,7 +220,7 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
-        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
+        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size, max_loras)
         self.sampler = Sampler()
         self.beam_search = BeamSearch(self)  # use_beam_search requests
         self._context_logits: dict[int, list[torch.Tensor]] = {}  # return_context_logits
@@ -420,6 +424,9 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
+        if self.max_loras:
+            for p, (seq, _) in zip(plan, sched.scheduled):
+                p.lora = seq.request.lora
         own = defer = False
         own_rows = None  # a step the output rank samples: (seq_id, output position, record) per row
         if prev is not None and not self._defers:

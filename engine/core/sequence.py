@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvpilot.outputs import Logprob, RequestOutput
 from kvpilot.sampling.sampler import SamplingRow
@@ -103,6 +103,12 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     aborted: bool = False
     prompt_logprobs_acc: Optional[list] = None  # [None, {token id: Logprob}, ...] when asked for
+    lora: Optional[Any] = None  # the request's `kvpilot.lora.adapter.LoRAAdapter`, None for the base model
+
+    @property
+    def lora_id(self) -> Optional[int]:
+        """The adapter's ``lora_int_id``, None for the base model."""
+        return None if self.lora is None else self.lora.int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -31,6 +31,8 @@ class ModelConfig:
     mlp_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`)
+    moe_backend: str = "TRITON"
     #: an on-the-fly quantization request (`kvpilot.config.QuantConfig.to_dict`), or None
     quantization: Optional[dict[str, Any]] = None
 

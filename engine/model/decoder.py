@@ -144,7 +144,8 @@ class DecoderLayer(nn.Module):
                          and self.self_attn.qkv_proj.quant_method.supports_fused_gemv)
 
     def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
-        if self.fused_gemv and self.can_fuse:
+        lora = self.self_attn.qkv_proj.lora  # a step with LoRA adapters takes the unfused modules
+        if self.fused_gemv and self.can_fuse and (lora is None or not lora.active):
             return self._forward_fused(positions, hidden, residual, meta, kv_cache, cos_sin_cache)
         if residual is None:
             residual = hidden

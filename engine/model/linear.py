@@ -12,6 +12,9 @@ Parameters are registered by the layer's quantization method (``weight`` ``[N, K
 ``[N]`` for the unquantized one), so checkpoint names stay ``<proj>.weight`` / ``<proj>.bias``.
 ``forward(x [T, K]) -> [T, N]`` in ``x.dtype``. `output_partitions` gives the per-rank row ranges of
 the merged parts, which the loader (`kvpilot.model.weights`) fills.
+
+LoRA seam: ``layer.lora`` (None unless `kvpilot.lora.layers.LoRASlots` attached one) is called as
+``lora(x, out)`` after the base product and adds each token's adapter update to ``out``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def kv_heads_of(num_kv_heads: int, rank: int, tp: int) -> tuple[int, int]:
 class LinearBase(nn.Module):
     """A projection whose storage and product belong to ``quant_method`` (default bf16/fp32)."""
 
+    #: ``lora(x, out) -> out``: the batched LoRA update added after the base product (module docstring)
+    lora = None
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, pc: ParallelContext,
                  quant_method: Optional[QuantizationMethod] = None) -> None:
         super().__init__()
@@ -48,7 +54,8 @@ class LinearBase(nn.Module):
         self.quant_method.create_weights(self, input_size, self.output_sizes, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
@@ -135,4 +142,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         matmul = fused if fused is not None and self.quant_method.supports_fused_gemv else self._matmul
-        return self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)
+        out = self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)
+        return out if self.lora is None else self.lora(x, out)

@@ -10,6 +10,10 @@ weight is. Norm weights (input, post-attention, Gemma's pre/post feed-forward, q
 replicated. After the last tensor, every module's ``process_weights_after_loading`` runs once
 (quantization repacking, Gemma's ``1 + w`` norms).
 
+A layer whose ``mlp`` has ``load_checkpoint_tensor`` (a mixture-of-experts block,
+`kvpilot.model.moe.SparseMoeBlock`) loads its own ``mlp.*`` tensors: the per-expert tensors go
+into one stacked tensor per projection.
+
 Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
 holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
 all-reduce, or inside rank 0's GEMM with ``KVPILOT_TP_REDUCE_FP32=0``).
@@ -199,8 +203,12 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                     model.kv_cache_scales.setdefault(i, {})[kv_kind] = float(sl[...].float().reshape(-1)[0])
                     continue
                 sl = _scale_rows(cfg, rest, sl, block)
+                mlp_loader = getattr(getattr(model.layers[i - start], "mlp", None), "load_checkpoint_tensor", None)
                 for rest, sl in split(rest, sl):
                     kind = rest.rsplit(".", 1)[-1]  # weight or bias
+                    if mlp_loader is not None and rest.startswith("mlp.") and mlp_loader(
+                            rest[4:], sl, lambda name, t, index=None: put(prefix + "mlp." + name, t, index)):
+                        continue  # an MoE block's tensors (kvpilot.model.moe.SparseMoeBlock)
                     if rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
                         put(prefix + o_bias, sl[:])
                     elif rest == "mlp.down_proj.bias":

@@ -25,6 +25,7 @@ from kvpilot.core.engine_core import EngineCore
 from kvpilot.core.engine_loop import EngineLoop
 from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (EngineDeadError: public here too)
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling.guided import BACKENDS as GUIDED_BACKENDS, GuidedDecodingBackend, GuidedDecodingError
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
 from kvpilot.text import check_text
@@ -66,6 +67,8 @@ class LLM:
         moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
             splits every expert over the tensor-parallel ranks, so only unset, 1 and
             ``tensor_parallel_size`` are accepted (`kvpilot.config.check_moe_parallelism`).
+        guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
+            (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
         quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
             FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
             compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
@@ -95,6 +98,7 @@ class LLM:
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
                  lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
                  moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
+                 guided_decoding_backend: Optional[str] = "xgrammar",
                  quant_config: Optional[QuantConfig] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
@@ -116,6 +120,12 @@ class LLM:
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
         check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
         self.moe_config = moe_config or MoeConfig()
+        if guided_decoding_backend is not None and guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ValueError(f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} or None, "
+                             f"got {guided_decoding_backend!r}")
+        self.guided_decoding_backend = guided_decoding_backend
+        self._guided: Optional[GuidedDecodingBackend] = None  # built at the first guided request
+        self._guided_lock = threading.Lock()
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
@@ -241,6 +251,7 @@ class LLM:
                                  f"min_tokens ({params.min_tokens}) bans: no token could be generated")
         if params.bad_words and self.tokenizer is not None:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
+        compiled = self._compile_guided(params) if params.guided_decoding is not None else None
         rid = next(_request_ids)
         out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
         req = Request(rid, ids, params, out, lora=adapter)
@@ -249,7 +260,33 @@ class LLM:
         for i in range(1 if params.use_beam_search else params.num_candidates):
             seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
+            if compiled is not None:
+                req.seqs[-1].guide = self._guided.guide(
+                    compiled, [params.end_id] if params.end_id is not None else None)
         return req
+
+    def guided_backend(self) -> GuidedDecodingBackend:
+        """The engine's `GuidedDecodingBackend` (built on first use: tokenizer tables for xgrammar).
+
+        Raises:
+            GuidedDecodingError: ``guided_decoding_backend`` is None, or the engine has no tokenizer.
+        """
+        if self._guided is None:
+            if self.guided_decoding_backend is None:
+                raise GuidedDecodingError("guided_decoding needs a guided_decoding_backend; this LLM was "
+                                          "created with guided_decoding_backend=None")
+            if self.tokenizer is None:
+                raise GuidedDecodingError("guided_decoding needs a tokenizer (skip_tokenizer_init=True)")
+            with self._guided_lock:
+                if self._guided is None:
+                    self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+        return self._guided
+
+    def _compile_guided(self, params: SamplingParams):
+        """The compiled grammar of ``params.guided_decoding`` (cached by its text; raises
+        GuidedDecodingError, a ValueError, when it does not compile)."""
+        return self.guided_backend().compile(params.guided_decoding)
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, lora_request=None) -> RequestOutput:

@@ -8,7 +8,8 @@ from kvpilot.config import KvCacheConfig, MoeConfig, QuantAlgo, QuantConfig
 from kvpilot.llm import LLM
 from kvpilot.lora.config import LoraConfig
 from kvpilot.outputs import CompletionOutput, RequestOutput
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig", "QuantAlgo", "QuantConfig",
+__all__ = ["CompletionOutput", "GuidedDecodingParams", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig",
+           "QuantAlgo", "QuantConfig",
            "RequestOutput", "SamplingParams"]

@@ -62,7 +62,8 @@ class LLM:
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
-            pick one with ``lora_request``. One GPU only (no tensor or pipeline parallelism).
+            pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
+            parallelism; pipeline parallelism is not supported.
         moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
         moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
             splits every expert over the tensor-parallel ranks, so only unset, 1 and
@@ -83,7 +84,7 @@ class LLM:
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
             positions included); an unsupported architecture; ``lora_config`` with tensor or
-            pipeline parallelism, or an adapter of ``lora_config.lora_dir`` that does not fit the model
+            pipeline parallelism (``pipeline_parallel_size`` > 1), or an adapter of ``lora_config.lora_dir`` that does not fit the model
             (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
@@ -112,9 +113,9 @@ class LLM:
 
             if not isinstance(lora_config, LoraConfig):
                 raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
-            if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise ValueError("lora_config is supported on one GPU only (tensor_parallel_size=1, "
-                                 "pipeline_parallel_size=1)")
+            if pipeline_parallel_size > 1:
+                raise ValueError("lora_config is not supported with pipeline parallelism "
+                                 "(pipeline_parallel_size must be 1)")
         self.lora_config = lora_config
         if moe_config is not None and not isinstance(moe_config, MoeConfig):
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
@@ -479,10 +480,14 @@ def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long
 
 def _lora_cache(executor, lora_config, cfg: ModelConfig):
     from kvpilot.lora.adapter import AdapterCache, load_adapter
-    from kvpilot.lora.layers import model_targets
+    from kvpilot.lora.layers import global_targets
 
-    targets = model_targets(executor.model)
-    num_layers, rank, dtype = cfg.num_hidden_layers, lora_config.max_lora_rank, executor.dtype
+    targets = global_targets(cfg)
+    import torch
+
+    # With worker processes the front end's copies only validate adapters (each rank loads its own).
+    dtype = getattr(executor, "dtype", torch.float32)
+    num_layers, rank = cfg.num_hidden_layers, lora_config.max_lora_rank
     return AdapterCache(lora_config, lambda req: load_adapter(req, targets, num_layers, rank, dtype))
 
 

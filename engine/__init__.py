@@ -14,7 +14,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "llm", "EngineDeadError": "outputs",
-    "SamplingParams": "sampling_params",
+    "SamplingParams": "sampling_params", "GuidedDecodingParams": "sampling_params",
     "KvCacheConfig": "config", "MoeConfig": "config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
     "RequestError": "outputs", "RequestAborted": "outputs", "RequestTooLargeError": "outputs",

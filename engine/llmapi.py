@@ -8,7 +8,7 @@ from kvpilot.config import KvCacheConfig, MoeConfig
 from kvpilot.llm import LLM
 from kvpilot.lora.config import LoraConfig
 from kvpilot.outputs import CompletionOutput, RequestOutput
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling_params import GuidedDecodingParams, SamplingParams
 
-__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["CompletionOutput", "GuidedDecodingParams", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig",
+           "RequestOutput", "SamplingParams"]

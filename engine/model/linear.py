@@ -14,7 +14,8 @@ Parameters are registered by the layer's quantization method (``weight`` ``[N, K
 the merged parts, which the loader (`kvpilot.model.weights`) fills.
 
 LoRA seam: ``layer.lora`` (None unless `kvpilot.lora.layers.LoRASlots` attached one) is called as
-``lora(x, out)`` after the base product and adds each token's adapter update to ``out``.
+``lora(x, out)`` after the base product and adds each token's adapter update to ``out``; in a
+row-parallel layer, to the rank's partial product before the all-reduce.
 """
 
 from __future__ import annotations
@@ -128,5 +129,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         matmul = fused if fused is not None and self.quant_method.supports_fused_gemv else self._matmul
-        out = self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)
-        return out if self.lora is None else self.lora(x, out)
+        lora = self.lora
+        if lora is not None and lora.active:  # the rank's share of the update joins its partial product
+            base = matmul
+
+            def matmul(x, weight, bias, out_dtype):
+                return lora(x, base(x, weight, bias, out_dtype))
+        return self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)

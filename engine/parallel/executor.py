@@ -160,7 +160,7 @@ def _free_port() -> int:
 
 def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                      max_batch_size: int, max_seq_len: int, device: str, dtype: str, tp: int, pp: int,
-                     group: Optional[LwsGroup]) -> WorkerSpec:
+                     group: Optional[LwsGroup], lora_config=None) -> WorkerSpec:
     """The `WorkerSpec` every rank gets; on one node the rendezvous is a free localhost port.
 
     Raises:
@@ -189,7 +189,7 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
         pp_size=pp, init_method=init, ranks_per_node=per_node, multi_node=group is not None,
         timeout_s=_env_float("KVPILOT_DIST_TIMEOUT_S", 600.0),
         microbatching=os.environ.get("KVPILOT_PP_MICROBATCH", "1") != "0",
-        log_level=logging.getLogger().getEffectiveLevel())
+        log_level=logging.getLogger().getEffectiveLevel(), lora_config=lora_config)
 
 
 def _start_ranks(spec: WorkerSpec, ranks: range, with_pipes: bool):
@@ -243,7 +243,7 @@ class MultiprocExecutor:
                                f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.executor.run_lws_worker")
         spec = make_worker_spec(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
                                 llm.max_batch_size, llm.max_seq_len, device, dtype, llm.tensor_parallel_size,
-                                llm.pipeline_parallel_size, group)
+                                llm.pipeline_parallel_size, group, getattr(llm, "lora_config", None))
         self.spec = spec
         self._step_timeout = _env_float("KVPILOT_STEP_TIMEOUT_S", spec.timeout_s + 60.0)
         t0 = time.perf_counter()

@@ -513,6 +513,8 @@ class ModelRunner:
 
     def _execute_eager(self, seqs: list[ScheduledSeq], fix) -> tuple[torch.Tensor, list[int]]:
         ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
+        if self.lora is not None:
+            self.lora.pad_to(ids.shape[0])  # padded tokens (`prefill_pad_buckets`) have no adapter
         if fix is not None:
             fix(ids)
         hidden = self._forward(ids, pos, meta, self.kv_caches)

@@ -206,9 +206,8 @@ def preflight(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
         _lora_config(args)  # bad counts are one line now
-        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is supported on one GPU only (--tensor-parallel-size 1, "
-                             "--pipeline-parallel-size 1)")
+        if args.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora is not supported with pipeline parallelism (--pipeline-parallel-size 1)")
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -277,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
         kwargs = _engine_kwargs(args)
-        kwargs.pop("lora_config", None)  # (refused with more than one GPU: the leader says so)
+        kwargs.pop("lora_config", None)  # (a multi-node group is pipeline parallel: the leader refuses LoRA)
         return run_lws_worker(args.model, group=group, **kwargs)
     try:
         template = load_chat_template(args.chat_template)

@@ -31,8 +31,10 @@ class ModelConfig:
     mlp_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`)
+    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`) and the
+    #: expert-parallel size (`LLM`'s ``moe_expert_parallel_size``, `kvpilot.model.moe`)
     moe_backend: str = "TRITON"
+    moe_expert_parallel_size: int = 1
 
     @classmethod
     def from_dir(cls, model_dir: Path, trust_remote_code: bool = False) -> "ModelConfig":

@@ -76,29 +76,33 @@ class MoeConfig:
 
 
 def check_moe_parallelism(tensor_parallel_size: int, moe_expert_parallel_size: Optional[int],
-                          moe_tensor_parallel_size: Optional[int]) -> None:
-    """Check the MoE layout arguments of `kvpilot.LLM` (TensorRT-LLM's names).
+                          moe_tensor_parallel_size: Optional[int]) -> int:
+    """Check the MoE layout arguments of `kvpilot.LLM` (TensorRT-LLM's names and rule:
+    ``tensor_parallel_size = moe_tensor_parallel_size * moe_expert_parallel_size``) and return the
+    expert-parallel size.
 
-    kvpilot shards every expert over the tensor-parallel group (each expert's intermediate
-    dimension split, like a dense MLP's): ``moe_tensor_parallel_size`` may be left unset or equal
-    ``tensor_parallel_size``, and ``moe_expert_parallel_size`` unset or 1.
+    Unset values follow from the others: neither set, every expert is split over all
+    tensor-parallel ranks (``moe_expert_parallel_size`` 1); one set, the other is
+    ``tensor_parallel_size`` divided by it. The attention stays tensor parallel over all ranks
+    either way (`kvpilot.model.moe`).
 
     Raises:
-        ValueError: a value that is not a positive integer; expert parallelism
-            (``moe_expert_parallel_size > 1``, not implemented); a ``moe_tensor_parallel_size``
-            other than ``tensor_parallel_size``.
+        ValueError: a value that is not a positive integer, one that does not divide
+            ``tensor_parallel_size``, or a product other than ``tensor_parallel_size``.
     """
+    tp = tensor_parallel_size
     for name, value in (("moe_expert_parallel_size", moe_expert_parallel_size),
                         ("moe_tensor_parallel_size", moe_tensor_parallel_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1 or None, got {value!r}")
-    if moe_expert_parallel_size not in (None, 1):
-        raise ValueError(f"moe_expert_parallel_size={moe_expert_parallel_size}: expert parallelism is not supported; "
-                         f"kvpilot splits every expert over the tensor-parallel ranks instead "
-                         f"(moe_expert_parallel_size=1, moe_tensor_parallel_size=tensor_parallel_size)")
-    if moe_tensor_parallel_size not in (None, tensor_parallel_size):
-        raise ValueError(f"moe_tensor_parallel_size={moe_tensor_parallel_size} must equal tensor_parallel_size="
-                         f"{tensor_parallel_size}: kvpilot splits every expert over all tensor-parallel ranks")
+        if value is not None and tp % value:
+            raise ValueError(f"{name}={value} must divide tensor_parallel_size={tp}")
+    ep = moe_expert_parallel_size or (tp // moe_tensor_parallel_size if moe_tensor_parallel_size else 1)
+    mtp = moe_tensor_parallel_size or tp // ep
+    if ep * mtp != tp:
+        raise ValueError(f"moe_tensor_parallel_size={mtp} x moe_expert_parallel_size={ep} must equal "
+                         f"tensor_parallel_size={tp}")
+    return ep
 
 
 class QuantAlgo(str, Enum):

@@ -65,9 +65,11 @@ class LLM:
             pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
             parallelism; pipeline parallelism is not supported.
         moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
-        moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
-            splits every expert over the tensor-parallel ranks, so only unset, 1 and
-            ``tensor_parallel_size`` are accepted (`kvpilot.config.check_moe_parallelism`).
+        moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
+            ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
+            ``tensor_parallel_size``, `kvpilot.config.check_moe_parallelism`): experts partitioned
+            over ``moe_expert_parallel_size`` groups, each expert split ``moe_tensor_parallel_size``
+            ways (docs/models.md). Default: every expert split over all ranks.
         guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
             (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
         quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
@@ -119,7 +121,7 @@ class LLM:
         self.lora_config = lora_config
         if moe_config is not None and not isinstance(moe_config, MoeConfig):
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
-        check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        moe_ep = check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
         self.moe_config = moe_config or MoeConfig()
         if guided_decoding_backend is not None and guided_decoding_backend not in GUIDED_BACKENDS:
             raise ValueError(f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} or None, "
@@ -139,6 +141,10 @@ class LLM:
             self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
         self.model_config.moe_backend = self.moe_config.backend
+        self.model_config.moe_expert_parallel_size = moe_ep
+        from kvpilot.model.moe import check_moe_layout
+
+        check_moe_layout(self.model_config, tensor_parallel_size)  # before any worker starts
         if self.quant_config.quant_algo:
             self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)

@@ -31,8 +31,10 @@ class ModelConfig:
     mlp_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
-    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`)
+    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`) and the
+    #: expert-parallel size (`LLM`'s ``moe_expert_parallel_size``, `kvpilot.model.moe`)
     moe_backend: str = "TRITON"
+    moe_expert_parallel_size: int = 1
     #: an on-the-fly quantization request (`kvpilot.config.QuantConfig.to_dict`), or None
     quantization: Optional[dict[str, Any]] = None
 

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -25,6 +25,7 @@ from kvpilot.core.engine_core import EngineCore
 from kvpilot.core.engine_loop import EngineLoop
 from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (EngineDeadError: public here too)
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling.guided import BACKENDS as GUIDED_BACKENDS, GuidedDecodingBackend, GuidedDecodingError
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
 from kvpilot.text import check_text
@@ -61,7 +62,19 @@ class LLM:
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
-            pick one with ``lora_request``. One GPU only (no tensor or pipeline parallelism).
+            pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
+            parallelism; pipeline parallelism is not supported.
+        moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
+        moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
+            ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
+            ``tensor_parallel_size``, `kvpilot.config.check_moe_parallelism`): experts partitioned
+            over ``moe_expert_parallel_size`` groups, each expert split ``moe_tensor_parallel_size``
+            ways (docs/models.md). Default: every expert split over all ranks.
+        guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
+            (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
+        quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
+            FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
+            compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -73,7 +86,7 @@ class LLM:
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
             positions included); an unsupported architecture; ``lora_config`` with tensor or
-            pipeline parallelism, or an adapter of ``lora_config.lora_dir`` that does not fit the model
+            pipeline parallelism (``pipeline_parallel_size`` > 1), or an adapter of ``lora_config.lora_dir`` that does not fit the model
             (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
@@ -86,7 +99,10 @@ class LLM:
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
-                 lora_config: Optional[Any] = None) -> None:
+                 lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
+                 moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
+                 guided_decoding_backend: Optional[str] = "xgrammar",
+                 quant_config: Optional[QuantConfig] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -99,15 +115,38 @@ class LLM:
 
             if not isinstance(lora_config, LoraConfig):
                 raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
-            if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise ValueError("lora_config is supported on one GPU only (tensor_parallel_size=1, "
-                                 "pipeline_parallel_size=1)")
+            if pipeline_parallel_size > 1:
+                raise ValueError("lora_config is not supported with pipeline parallelism "
+                                 "(pipeline_parallel_size must be 1)")
         self.lora_config = lora_config
+        if moe_config is not None and not isinstance(moe_config, MoeConfig):
+            raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
+        moe_ep = check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.moe_config = moe_config or MoeConfig()
+        if guided_decoding_backend is not None and guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ValueError(f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} or None, "
+                             f"got {guided_decoding_backend!r}")
+        self.guided_decoding_backend = guided_decoding_backend
+        self._guided: Optional[GuidedDecodingBackend] = None  # built at the first guided request
+        self._guided_lock = threading.Lock()
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        if quant_config is not None and not isinstance(quant_config, QuantConfig):
+            raise TypeError(f"quant_config must be a kvpilot.llmapi.QuantConfig, got {type(quant_config).__name__}")
+        self.quant_config = quant_config or QuantConfig()
+        kv_dtype = self.quant_config.kv_cache_dtype(self.kv_cache_config)
+        if kv_dtype != self.kv_cache_config.dtype:
+            self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        self.model_config.moe_backend = self.moe_config.backend
+        self.model_config.moe_expert_parallel_size = moe_ep
+        from kvpilot.model.moe import check_moe_layout
+
+        check_moe_layout(self.model_config, tensor_parallel_size)  # before any worker starts
+        if self.quant_config.quant_algo:
+            self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())
@@ -219,6 +258,7 @@ class LLM:
                                  f"min_tokens ({params.min_tokens}) bans: no token could be generated")
         if params.bad_words and self.tokenizer is not None:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
+        compiled = self._compile_guided(params) if params.guided_decoding is not None else None
         rid = next(_request_ids)
         out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
         req = Request(rid, ids, params, out, lora=adapter)
@@ -227,7 +267,33 @@ class LLM:
         for i in range(1 if params.use_beam_search else params.num_candidates):
             seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
+            if compiled is not None:
+                req.seqs[-1].guide = self._guided.guide(
+                    compiled, [params.end_id] if params.end_id is not None else None)
         return req
+
+    def guided_backend(self) -> GuidedDecodingBackend:
+        """The engine's `GuidedDecodingBackend` (built on first use: tokenizer tables for xgrammar).
+
+        Raises:
+            GuidedDecodingError: ``guided_decoding_backend`` is None, or the engine has no tokenizer.
+        """
+        if self._guided is None:
+            if self.guided_decoding_backend is None:
+                raise GuidedDecodingError("guided_decoding needs a guided_decoding_backend; this LLM was "
+                                          "created with guided_decoding_backend=None")
+            if self.tokenizer is None:
+                raise GuidedDecodingError("guided_decoding needs a tokenizer (skip_tokenizer_init=True)")
+            with self._guided_lock:
+                if self._guided is None:
+                    self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+        return self._guided
+
+    def _compile_guided(self, params: SamplingParams):
+        """The compiled grammar of ``params.guided_decoding`` (cached by its text; raises
+        GuidedDecodingError, a ValueError, when it does not compile)."""
+        return self.guided_backend().compile(params.guided_decoding)
 
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
                        streaming: bool = False, lora_request=None) -> RequestOutput:
@@ -420,10 +486,14 @@ def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long
 
 def _lora_cache(executor, lora_config, cfg: ModelConfig):
     from kvpilot.lora.adapter import AdapterCache, load_adapter
-    from kvpilot.lora.layers import model_targets
+    from kvpilot.lora.layers import global_targets
 
-    targets = model_targets(executor.model)
-    num_layers, rank, dtype = cfg.num_hidden_layers, lora_config.max_lora_rank, executor.dtype
+    targets = global_targets(cfg)
+    import torch
+
+    # With worker processes the front end's copies only validate adapters (each rank loads its own).
+    dtype = getattr(executor, "dtype", torch.float32)
+    num_layers, rank = cfg.num_hidden_layers, lora_config.max_lora_rank
     return AdapterCache(lora_config, lambda req: load_adapter(req, targets, num_layers, rank, dtype))
 
 

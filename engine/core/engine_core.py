@@ -755,7 +755,7 @@ class EngineCore:
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,
                 logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids)
+                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids, guide=seq.guide)
         row.step = out_len
         if p.min_tokens and out_len <= p.min_tokens:
             row.banned_token_ids = list(p.bad_token_ids) + (
@@ -826,11 +826,25 @@ class EngineCore:
             # A stop token id is its own stop reason, even when it is also an end id.
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in seq.params.stop_token_ids else None
+        guide = seq.guide
+        if guide is not None and not stopped_by_token and self._guide_ends(seq, guide, token):
+            stopped_by_token = True
+            seq.finish_reason = "stop"
         elif len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
             seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         return _Sampled(seq, token, logprob, top, stopped_by_token, len(toks))
+
+    @staticmethod
+    def _guide_ends(seq: Sequence, guide, token: int) -> bool:
+        """Advance a guided sequence's grammar by ``token``: True when that ends the sequence (the
+        grammar accepted its stop token, or, never with masks applied, refused the token)."""
+        if not guide.accept(token):
+            logger.warning("request %d: token %d is outside its grammar; ending the sequence",
+                           seq.request.request_id, token)
+            return True
+        return guide.terminated
 
     def _output_token(self, e: _Sampled) -> Optional[SequenceDelta]:
         """The slow part of a sampled token: logprob entry, detokenization, stop strings, its delta."""
@@ -947,7 +961,11 @@ class EngineCore:
         itl, self._itl = self._itl, []
         num_generated, self._late_generated = num_generated + self._late_generated, 0
         gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
-        return IterationStats(
+        lora = {}
+        if self.max_loras:
+            lora = dict(max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.scheduler.running),
+                        waiting_lora_adapters=_adapter_names(self.scheduler.waiting))
+        return IterationStats(**lora,
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
             # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out
             # into n child requests; that is also the load the autoscaler should see.
@@ -964,6 +982,11 @@ class EngineCore:
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
 
 
+def _adapter_names(seqs) -> list[str]:
+    """Sorted names of the LoRA adapters of ``seqs`` (each once)."""
+    return sorted({s.request.lora.request.lora_name for s in seqs if s.request.lora is not None})
+
+
 def _rank_samplable(p) -> bool:
     """Whether a request's tokens depend on nothing but its logits and the scalars of its sampler
     record (temperature, top-k, top-p, min-p, seed; the output position): nothing that changes the
@@ -974,7 +997,7 @@ def _rank_samplable(p) -> bool:
             and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
             and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens and p.logprobs is None
             and p.num_candidates == p.n and p.prompt_logprobs is None and not p.return_context_logits
-            and not p.return_generation_logits)
+            and not p.return_generation_logits and p.guided_decoding is None)
 
 
 def _argmax_only(p) -> bool:

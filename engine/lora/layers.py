@@ -16,7 +16,14 @@ that this step does not use) and uploads each token's slot (``-1``: no adapter) 
 add nothing (CUDA graphs captured that way stay valid; steps with adapters run eagerly:
 `kvpilot.runner.model_runner`).
 
-Tensor parallelism: not supported yet (one rank holds the whole projection).
+Tensor parallelism: adapters are sharded like their base layers. Adapters are loaded with the
+base model's global shapes (`global_targets`); each rank's slots take its share when an adapter
+is copied in. For a column-parallel projection (q/k/v, gate/up) ``a`` is whole and ``b`` holds
+the rank's output rows (`LoRAProjection.rows`: the global row of each local one; replicated KV
+heads included). For a row-parallel one (``o_proj``, ``down_proj``) ``a`` holds the rank's input
+columns and ``b`` is whole, and the update is added to the rank's partial product before the
+all-reduce (`kvpilot.model.linear.RowParallelLinear`), so the sum over ranks is the whole update
+and no collective is added.
 """
 
 from __future__ import annotations
@@ -46,11 +53,16 @@ class LoRAProjection:
     adds the update of each token's adapter to ``out`` in place and returns it."""
 
     def __init__(self, state: LoRAState, in_features: int, out_features: int, parts: int, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device, rows: Optional[torch.Tensor] = None,
+                 col_start: int = 0) -> None:
         self.state = state
         self.max_rank = max_rank
         self.a = torch.zeros(max_loras, parts * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, parts * max_rank, dtype=dtype, device=device)
+        #: global output row of each of this rank's rows (column parallel; identity on one rank)
+        self.rows = torch.arange(out_features) if rows is None else rows
+        #: first global input column of this rank (row parallel; 0 on one rank)
+        self.col_start = col_start
 
     @property
     def active(self) -> bool:
@@ -67,14 +79,19 @@ class LoRAProjection:
         self.b[slot].zero_()
 
     def fill(self, slot: int, entries: list[tuple[Target, torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one adapter's modules of this projection into ``slot`` (cleared first)."""
+        """Copy this rank's share of one adapter's modules of this projection into ``slot``
+        (cleared first). ``entries`` have the global shapes (module docstring)."""
         self.clear(slot)
         R = self.max_rank
+        K = self.a.shape[2]
         for tgt, a, b in entries:
             r = a.shape[0]
             c = tgt.part * R
-            self.a[slot, c:c + r].copy_(a, non_blocking=True)
-            self.b[slot, tgt.row:tgt.row + tgt.rows, c:c + r].copy_(b, non_blocking=True)
+            self.a[slot, c:c + r].copy_(a[:, self.col_start:self.col_start + K])
+            local = torch.nonzero((self.rows >= tgt.row) & (self.rows < tgt.row + tgt.rows), as_tuple=True)[0]
+            if local.numel():
+                part = b.index_select(0, self.rows[local] - tgt.row).to(self.b.device, self.b.dtype)
+                self.b[slot, :, c:c + r].index_copy_(0, local.to(self.b.device), part)
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +99,37 @@ class LoRAProjection:
 
 
 _MODULES = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def global_targets(cfg) -> dict[str, Target]:
+    """`model_targets` of the whole (unsharded) model of ``cfg`` (a `kvpilot.model.config.ModelConfig`):
+    one layer built on the meta device, so no memory is allocated."""
+    from kvpilot.model.registry import model_class
+
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, None, (0, 1))
+    return model_targets(model)
+
+
+def _shard_rows(proj, module: str, cfg, rank: int, tp: int) -> Optional[torch.Tensor]:
+    """Global output rows of rank ``rank``'s rows of a column-parallel projection (None on one rank)."""
+    if tp == 1:
+        return None
+    from kvpilot.model.linear import kv_heads_of
+
+    if module == "qkv_proj":
+        hd = proj.head_dim
+        q_local, q_all = proj.num_heads * hd, cfg.num_attention_heads * hd
+        first, count = kv_heads_of(cfg.num_key_value_heads, rank, tp)
+        kv_all = cfg.num_key_value_heads * hd
+        k = torch.arange(first * hd, (first + count) * hd)
+        return torch.cat([rank * q_local + torch.arange(q_local), q_all + k, q_all + kv_all + k])
+    sizes = proj.output_sizes  # merged column parallel: each part split over the ranks
+    out, base = [], 0
+    for n in sizes:
+        out.append(base + rank * n + torch.arange(n))
+        base += n * tp
+    return torch.cat(out)
 
 
 def model_targets(model) -> dict[str, Target]:
@@ -122,12 +170,14 @@ class LoRASlots:
     copied into a slot so far).
 
     Raises:
-        ValueError: a tensor-parallel model, or one in tensor-parallel-invariant mode.
+        ValueError: a model in tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``).
     """
 
     def __init__(self, model, config: LoraConfig, dtype: torch.dtype, device: torch.device) -> None:
-        if model.pc.tp_size > 1 or getattr(model, "invariant_shards", 0):
-            raise ValueError("LoRA adapters are not supported with tensor parallelism yet (tensor_parallel_size 1)")
+        if getattr(model, "invariant_shards", 0) or getattr(model, "tp_invariant", 0):
+            raise ValueError("LoRA adapters are not supported in tensor-parallel-invariant mode "
+                             "(KVPILOT_TP_INVARIANT); unset it")
+        rank, tp = model.pc.tp_rank, model.pc.tp_size
         self.config = config
         self.device = device
         self.state = LoRAState()
@@ -137,8 +187,11 @@ class LoRASlots:
                 proj = getattr(getattr(layer, block, None), module, None)
                 if proj is None or not hasattr(proj, "output_sizes"):
                     continue
+                row_parallel = module in ("o_proj", "down_proj")
                 p = LoRAProjection(self.state, proj.input_size, proj.output_size, MODULE_PARTS[module],
-                                   config.max_loras, config.max_lora_rank, dtype, device)
+                                   config.max_loras, config.max_lora_rank, dtype, device,
+                                   rows=None if row_parallel else _shard_rows(proj, module, model.cfg, rank, tp),
+                                   col_start=rank * proj.input_size if row_parallel else 0)
                 proj.lora = p
                 self.projections[(layer.layer_idx, module)] = p
         self.nbytes = sum(p.nbytes for p in self.projections.values())
@@ -208,3 +261,10 @@ class LoRASlots:
         st.slots = sorted(slots)
         st.active = True
         return True
+
+    def pad_to(self, n: int) -> None:
+        """Extend the step's slot index to ``n`` tokens with ``-1`` (a step padded for its shapes)."""
+        st = self.state
+        if st.active and st.slot_index.shape[0] < n:
+            pad = torch.full((n - st.slot_index.shape[0],), -1, dtype=torch.int32, device=st.slot_index.device)
+            st.slot_index = torch.cat([st.slot_index, pad])

@@ -119,7 +119,12 @@ def test_mixed_batch_matches_each_request_alone(setup):
     ra, rb = _req(d, "a", 1), _req(d, "b", 2)
     prompts = PROMPTS + [PROMPTS[0], PROMPTS[1]]
     loras = [ra, None, rb, rb, ra]
+    seen = []
+    llm.add_stat_logger(seen.append)
     mixed = _greedy(llm, prompts, loras)
+    llm._loop.stat_loggers.remove(seen.append)
+    assert ["a", "b"] in [s.running_lora_adapters for s in seen]  # both adapters ran in one step
+    assert all(s.max_lora == 2 for s in seen)
     for p, lr, got in zip(prompts, loras, mixed):
         alone = _greedy(llm, [p], [lr])[0]
         assert got[0] == alone[0]
@@ -199,3 +204,19 @@ def test_adapter_for_another_model_is_refused_at_start(setup, tmp_path):
     with pytest.raises(LoRAAdapterError, match="another model"):
         LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32",
             kv_cache_config=KvCacheConfig(max_tokens=256), lora_config=LoraConfig(lora_dir=[str(wrong)], max_lora_rank=8))
+
+
+@pytest.mark.slow  # two worker processes: ~30 s on two cores (the shard math: test_lora_tensor_parallel_shards.py)
+def test_tensor_parallel_adapters_match_peft(setup):
+    """TP 2 on CPU (gloo): adapters sharded like their base layers (q/k/v, gate/up by output rows;
+    o/down by input columns, added before the all-reduce) give peft's log-probabilities."""
+    d, base, a, b, _ = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", tensor_parallel_size=2,
+             max_batch_size=8, max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8)) as tp:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+        got = _greedy(tp, prompts, [ra, rb, None], n=5)
+    for p, adapter, (toks, lps) in zip(prompts, (a, b, None), got):
+        ref = _peft_logprobs(base, adapter, p + toks)[-5:]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)

@@ -220,3 +220,28 @@ def test_tensor_parallel_adapters_match_peft(setup):
     for p, adapter, (toks, lps) in zip(prompts, (a, b, None), got):
         ref = _peft_logprobs(base, adapter, p + toks)[-5:]
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)
+
+
+def test_engine_with_the_triton_kernels_matches_the_reference(setup, monkeypatch):
+    """The engine's projections through the Triton shrink/expand kernels (TRITON_INTERPRET=1 on
+    CPU) give the tokens and log-probabilities of the PyTorch reference, in a mixed batch."""
+    pytest.importorskip("triton")
+    from kvpilot.kernels import lora as KL
+    from kvpilot.lora import layers as LL
+
+    d, base, a, b, llm = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    prompts, loras = [PROMPTS[1], PROMPTS[1], [1, 5, 9]], [ra, None, rb]
+    want = _greedy(llm, prompts, loras, n=2)
+    calls = []
+
+    def triton_apply(x, out, a_, b_, slot, slots=None, tiles=None):
+        calls.append(x.shape[0])
+        return KL.lora_apply_triton(x, out, a_, b_, slot, tiles=tiles)
+
+    monkeypatch.setattr(LL, "lora_apply", triton_apply)
+    got = _greedy(llm, prompts, loras, n=2)
+    assert calls
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0, atol=1e-5)

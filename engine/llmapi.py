@@ -8,5 +8,7 @@ from kvpilot.config import KvCacheConfig
 from kvpilot.llm import LLM
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.spec_decode.config import DraftTargetDecodingConfig, NGramDecodingConfig
 
-__all__ = ["CompletionOutput", "KvCacheConfig", "LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "DraftTargetDecodingConfig", "KvCacheConfig", "LLM", "NGramDecodingConfig",
+           "RequestOutput", "SamplingParams"]

@@ -66,7 +66,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, as a JSON object: {"decoding_type": "NGram", "max_draft_len": 4, '
                              '"max_matching_ngram_size": 4} or {"decoding_type": "DraftTarget", "max_draft_len": 4, '
-                             '"speculative_model": DIR_OR_HUB_ID} (docs/speculative_decoding.md)')
+                             '"speculative_model": DIR_OR_HUB_ID} (default: none, no speculation; '
+                             'docs/speculative_decoding.md)')
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "

@@ -15,9 +15,11 @@ What triggers what:
 
 Autoscaling lives in operator/autoscale_daemon.py: a kopf daemon per LLMDeployment with
 ``autoscaling.enabled`` scrapes the Ready pods, calls the pure ``autoscaler.decide(...)``, and writes
-``status.desiredReplicas`` (and the windows' history) before the child's ``spec.replicas``. render()
-takes replicas from ``status.desiredReplicas`` (clamped to min/max) when autoscaling is on, so a
-later reconcile re-applies the same number instead of fighting the autoscaler.
+``status.desiredReplicas`` (and the windows' history) before the child's ``spec.replicas``. While
+autoscaling is on, the autoscaler alone writes the workload's ``spec.replicas``: reconcile and
+drift repair set it only when they create the workload (from a fresh read of
+``status.desiredReplicas``, clamped to min/max) and otherwise leave it as it is
+(:func:`replicas_left`).
 """
 
 from __future__ import annotations
@@ -123,6 +125,12 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int 
     config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
     cr = _as_dict(body)
     try:
+        cr = _with_fresh_status(client, cr)
+    except (kube.ApiError, OSError) as exc:
+        message = f"the Kubernetes API refused or failed a request (attempt {retry + 1}): {exc}"
+        _report_failure(client, cr, "APIError", message, logger)
+        raise kopf.TemporaryError(message, delay=config.retry_delay(retry)) from exc
+    try:
         cr = normalize(cr)
         objects = render(cr)
     except ValueError as exc:  # the API server admitted something render() rejects: do not retry
@@ -140,13 +148,32 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int 
         raise kopf.TemporaryError(message, delay=config.retry_delay(retry)) from exc
 
 
+def _with_fresh_status(client: kube.KubeClient, cr: dict[str, Any]) -> dict[str, Any]:
+    """``cr`` with its ``status`` read now: the body kopf hands a handler may predate the
+    autoscaler's latest ``status.desiredReplicas``, which a workload created now must start from."""
+    meta = cr.get("metadata") or {}
+    fresh = client.get(KIND, meta.get("namespace") or "default", meta["name"])
+    if fresh is not None and (fresh.get("metadata") or {}).get("uid") == meta.get("uid"):
+        cr = {**cr, "status": fresh.get("status") or {}}
+    return cr
+
+
+def replicas_left(cr: dict[str, Any], obj: dict[str, Any]) -> tuple[tuple[str, ...], ...]:
+    """The paths of ``obj`` that reconcile and drift repair leave alone: an autoscaled
+    workload's ``spec.replicas`` belongs to the autoscaler (set once, at creation, from
+    ``status.desiredReplicas``; written afterwards by the autoscaler alone)."""
+    if obj["kind"] in WORKLOAD_KINDS and cr["spec"]["autoscaling"]["enabled"]:
+        return kube.REPLICAS
+    return ()
+
+
 def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[dict[str, Any]],
                     logger: Any) -> None:
     meta = cr["metadata"]
     ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
     current = workload_kind(cr)
     objects, retire, surging = surge_plan(client, cr, objects)
-    results = [kube.apply(client, obj) for obj in objects]
+    results = [kube.apply(client, obj, leave=replicas_left(cr, obj)) for obj in objects]
     changed = [f"{r.kind}:{r.action}" for r in results if r.action != "unchanged"]
     if changed:
         logger.info("applied %s", ", ".join(changed))
@@ -292,8 +319,9 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
     live = None if type == "DELETED" else child
     if live is not None and live["metadata"].get("deletionTimestamp"):
         return  # being deleted: recreated on its DELETED event
-    if not kube.in_sync(wanted, live):
-        result = kube.apply(client, wanted, live=live)
+    leave = replicas_left(cr, wanted)
+    if not kube.in_sync(wanted, live, leave):
+        result = kube.apply(client, wanted, live=live, leave=leave)
         logger.info("repaired drift of %s %s/%s: %s", child["kind"], ns, child["metadata"]["name"], result.action)
         if result.action != "unchanged":
             live = client.get(child["kind"], ns, child["metadata"]["name"])

@@ -193,6 +193,8 @@ class EngineCore:
             changed between steps.
         speculative: a `kvpilot.spec_decode.decoder.SpeculativeDecoder`, or None (no speculation).
             With it, steps run in the synchronous order (no async scheduling).
+        max_loras: LoRA adapters the executor holds at once (its device slots); 0 without LoRA. Each
+            planned sequence then carries its request's adapter (``ScheduledSeq.lora``).
 
     ``num_overlapped_steps`` counts the steps launched while the previous step's tokens were still
     on the device.
@@ -201,8 +203,9 @@ class EngineCore:
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
                  async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None,
-                 speculative=None) -> None:
+                 max_loras: int = 0, speculative=None) -> None:
         self.executor = executor
+        self.max_loras = max_loras
         # Speculative decoding (`kvpilot.spec_decode.decoder.SpeculativeDecoder`) or None.
         self.spec = speculative
         self.async_output = async_output_enabled() if async_output is None else async_output
@@ -221,7 +224,7 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
-        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
+        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size, max_loras)
         self.sampler = Sampler()
         self.beam_search = BeamSearch(self)  # use_beam_search requests
         self._context_logits: dict[int, list[torch.Tensor]] = {}  # return_context_logits
@@ -432,6 +435,9 @@ class EngineCore:
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
+        if self.max_loras:
+            for p, (seq, _) in zip(plan, sched.scheduled):
+                p.lora = seq.request.lora
         own = defer = False
         own_rows = None  # a step the output rank samples: (seq_id, output position, record) per row
         if prev is not None and not self._defers:
@@ -767,7 +773,7 @@ class EngineCore:
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,
                 logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids)
+                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids, guide=seq.guide)
         row.step = out_len
         if p.min_tokens and out_len <= p.min_tokens:
             row.banned_token_ids = list(p.bad_token_ids) + (
@@ -838,11 +844,25 @@ class EngineCore:
             # A stop token id is its own stop reason, even when it is also an end id.
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in seq.params.stop_token_ids else None
+        guide = seq.guide
+        if guide is not None and not stopped_by_token and self._guide_ends(seq, guide, token):
+            stopped_by_token = True
+            seq.finish_reason = "stop"
         elif len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
             seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         return _Sampled(seq, token, logprob, top, stopped_by_token, len(toks))
+
+    @staticmethod
+    def _guide_ends(seq: Sequence, guide, token: int) -> bool:
+        """Advance a guided sequence's grammar by ``token``: True when that ends the sequence (the
+        grammar accepted its stop token, or, never with masks applied, refused the token)."""
+        if not guide.accept(token):
+            logger.warning("request %d: token %d is outside its grammar; ending the sequence",
+                           seq.request.request_id, token)
+            return True
+        return guide.terminated
 
     def _output_token(self, e: _Sampled) -> Optional[SequenceDelta]:
         """The slow part of a sampled token: logprob entry, detokenization, stop strings, its delta."""
@@ -959,7 +979,11 @@ class EngineCore:
         itl, self._itl = self._itl, []
         num_generated, self._late_generated = num_generated + self._late_generated, 0
         gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
-        return IterationStats(
+        lora = {}
+        if self.max_loras:
+            lora = dict(max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.scheduler.running),
+                        waiting_lora_adapters=_adapter_names(self.scheduler.waiting))
+        return IterationStats(**lora,
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
             # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out
             # into n child requests; that is also the load the autoscaler should see.
@@ -977,6 +1001,11 @@ class EngineCore:
             spec_decode=self.spec.take_stats() if self.spec is not None else None)
 
 
+def _adapter_names(seqs) -> list[str]:
+    """Sorted names of the LoRA adapters of ``seqs`` (each once)."""
+    return sorted({s.request.lora.request.lora_name for s in seqs if s.request.lora is not None})
+
+
 def _rank_samplable(p) -> bool:
     """Whether a request's tokens depend on nothing but its logits and the scalars of its sampler
     record (temperature, top-k, top-p, min-p, seed; the output position): nothing that changes the
@@ -987,7 +1016,7 @@ def _rank_samplable(p) -> bool:
             and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
             and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens and p.logprobs is None
             and p.num_candidates == p.n and p.prompt_logprobs is None and not p.return_context_logits
-            and not p.return_generation_logits)
+            and not p.return_generation_logits and p.guided_decoding is None)
 
 
 def _argmax_only(p) -> bool:

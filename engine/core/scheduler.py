@@ -37,6 +37,11 @@ So re-admission needs no more blocks than the request held when it was preempted
 blocks its next tokens needed: a request that ran once fits the empty pool again.
 A lockstep request that cannot be admitted even into an empty batch and pool can never run:
 `unfit_error` says why, and the engine fails it with that error.
+
+LoRA (``max_loras`` > 0): the running sequences use at most ``max_loras`` distinct adapters (the
+device's slots, `kvpilot.lora.layers.LoRASlots`). A waiting request whose adapter is not among the
+running ones when they already use ``max_loras`` is not admitted (nor is anything queued behind it)
+until a running adapter's last sequence finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -81,8 +86,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int, max_loras: int = 0) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
@@ -316,8 +322,15 @@ class Scheduler:
             return out  # the pool is full: admit nothing new this step
         # (With nothing left running the pool is empty: the head, preempted or not, is tried in it.)
         slots = len(running) + (self._reserved_slots() if self._lockstep else 0)
+        adapters = {s.request.lora_id for s in running} - {None} if self.max_loras else None
         while self.waiting and budget > 0 and slots < self.max_batch_size:
             seq = self.waiting[0]
+            if adapters is not None:
+                lid = seq.request.lora_id
+                if lid is not None and lid not in adapters:
+                    if len(adapters) >= self.max_loras:
+                        break  # every device slot is taken by a running adapter
+                    adapters.add(lid)
             if seq.request.lockstep:
                 used = self._admit_group(budget, slots, running, out)
                 if not used:

@@ -439,9 +439,24 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "kvpilot"
     root: Optional[str] = None
+    parent: Optional[str] = None
     max_model_len: Optional[int] = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): the adapter's model name and its PEFT directory."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_path: StrictStr = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body): the adapter's model name."""
+
+    lora_name: StrictStr = Field(min_length=1)
+    lora_int_id: Optional[int] = None

@@ -70,7 +70,7 @@ async def create_chat_completion(state: ServerState, req: ChatCompletionRequest,
     params = chat_params(req, max_tokens, generation_defaults(llm))
     request_id = random_id("chatcmpl")
     outputs = submit(llm, [prompt_ids], params, streaming=bool(req.stream), prompt_param="messages",
-                     max_tokens_param=param)
+                     max_tokens_param=param, lora_request=state.lora_request(model))
     if req.stream:
         return EngineStreamingResponse(_stream(state, req, model, request_id, outputs[0], len(prompt_ids)),
                                        state, outputs)

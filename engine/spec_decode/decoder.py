@@ -46,12 +46,14 @@ def eligible(p, seq: Sequence) -> bool:
     """Whether a sequence may speculate this step: its next tokens depend only on the logits and the
     request's temperature / top-k / top-p / min-p / seed. Not for beam search, ``best_of``,
     penalties, logit bias, allowed or banned ids and bad words (they change the logits from the
-    token history), before ``min_tokens`` are out, or with ``return_generation_logits``.
+    token history), guided decoding (the grammar masks each position after the previous token), before
+    ``min_tokens`` are out, or with ``return_generation_logits``.
     Log-probabilities are supported."""
     return (not p.use_beam_search and p.num_candidates == p.n and p.repetition_penalty == 1.0
             and not p.frequency_penalty and not p.presence_penalty and not p.logit_bias
             and p.allowed_token_ids is None and not p.bad_token_ids and not p._bad_words_ids
-            and seq.num_output_tokens >= p.min_tokens and not p.return_generation_logits)
+            and seq.num_output_tokens >= p.min_tokens and not p.return_generation_logits
+            and getattr(p, "guided_decoding", None) is None)
 
 
 class SpeculativeDecoder:

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig, MoeConfig, check_moe_parallelism
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -72,6 +72,9 @@ class LLM:
             ways (docs/models.md). Default: every expert split over all ranks.
         guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
             (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
+        quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
+            FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
+            compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -98,7 +101,8 @@ class LLM:
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
                  lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
                  moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
-                 guided_decoding_backend: Optional[str] = "xgrammar") -> None:
+                 guided_decoding_backend: Optional[str] = "xgrammar",
+                 quant_config: Optional[QuantConfig] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -129,12 +133,20 @@ class LLM:
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        if quant_config is not None and not isinstance(quant_config, QuantConfig):
+            raise TypeError(f"quant_config must be a kvpilot.llmapi.QuantConfig, got {type(quant_config).__name__}")
+        self.quant_config = quant_config or QuantConfig()
+        kv_dtype = self.quant_config.kv_cache_dtype(self.kv_cache_config)
+        if kv_dtype != self.kv_cache_config.dtype:
+            self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
         self.model_config.moe_backend = self.moe_config.backend
         self.model_config.moe_expert_parallel_size = moe_ep
         from kvpilot.model.moe import check_moe_layout
 
         check_moe_layout(self.model_config, tensor_parallel_size)  # before any worker starts
+        if self.quant_config.quant_algo:
+            self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())

@@ -4,11 +4,12 @@ Code written for TensorRT-LLM (``from tensorrt_llm.llmapi import KvCacheConfig``
 the package. The objects are the same as ``kvpilot``'s top-level ones.
 """
 
-from kvpilot.config import KvCacheConfig, MoeConfig
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantAlgo, QuantConfig
 from kvpilot.llm import LLM
 from kvpilot.lora.config import LoraConfig
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.sampling_params import GuidedDecodingParams, SamplingParams
 
 __all__ = ["CompletionOutput", "GuidedDecodingParams", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig",
+           "QuantAlgo", "QuantConfig",
            "RequestOutput", "SamplingParams"]

@@ -961,7 +961,11 @@ class EngineCore:
         itl, self._itl = self._itl, []
         num_generated, self._late_generated = num_generated + self._late_generated, 0
         gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
-        return IterationStats(
+        lora = {}
+        if self.max_loras:
+            lora = dict(max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.scheduler.running),
+                        waiting_lora_adapters=_adapter_names(self.scheduler.waiting))
+        return IterationStats(**lora,
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
             # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out
             # into n child requests; that is also the load the autoscaler should see.
@@ -976,6 +980,11 @@ class EngineCore:
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
             gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+
+
+def _adapter_names(seqs) -> list[str]:
+    """Sorted names of the LoRA adapters of ``seqs`` (each once)."""
+    return sorted({s.request.lora.request.lora_name for s in seqs if s.request.lora is not None})
 
 
 def _rank_samplable(p) -> bool:

@@ -57,6 +57,8 @@ class IterationStats:
     Counters (``num_*_tokens``, ``num_preemptions``, ``prefix_cache_*``) are for this step only;
     gauges (``num_running``, ``num_waiting``, ``kv_cache``) are the state after it.
     ``ttft`` and ``inter_token_latencies`` hold seconds observed in this step, for histograms.
+    LoRA (``max_lora`` > 0: the engine's ``LoraConfig.max_loras``): the names of the adapters of
+    the running and of the waiting sequences after the step, sorted.
     """
 
     iter: int
@@ -77,6 +79,9 @@ class IterationStats:
     ttft: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """TensorRT-LLM's iteration-stats JSON field names (`get_stats()` entries)."""

@@ -50,6 +50,7 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
+        self.bias_flag = bias
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_sizes, bias)
 
@@ -59,6 +60,19 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    def set_quant_method(self, quant_method: QuantizationMethod) -> None:
+        """Replace the layer's method and its parameters (before loading; e.g. a checkpoint module
+        a quantization format leaves unquantized, `kvpilot.model.quantization.apply_module_exclusions`).
+        The new parameters are on the old weight's device."""
+        device = self.weight.device
+        for name in list(self._parameters):
+            delattr(self, name)
+        for attr in ("quant_dtypes", "scale_block"):
+            self.__dict__.pop(attr, None)
+        self.quant_method = quant_method
+        with torch.device(device):
+            quant_method.create_weights(self, self.input_size, self.output_sizes, self.bias_flag)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, quant={type(self.quant_method).__name__}"

@@ -58,6 +58,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), or a "
                              "16/32-bit float type")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 (E4M3, per-channel "
+                             "scales, per-token activations; QuantConfig(quant_algo='FP8')). Default: none; "
+                             "FP8 checkpoints (ModelOpt, compressed-tensors, block-wise) need no flag")
     parser.add_argument("--dtype", default="auto",
                         help="weights' dtype: auto (the checkpoint's 16-bit type on GPU, float32 on CPU), "
                              "bfloat16, float16, float32")
@@ -170,9 +174,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
                        enable_block_reuse=args.enable_block_reuse and not args.no_prefix_caching,
                        tokens_per_block=args.tokens_per_block, dtype=args.kv_cache_dtype)
+    from kvpilot.config import QuantConfig
+
     lora = _lora_config(args)
     extra = {"lora_config": lora} if lora is not None else {}
-    return dict(**extra,tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+    if getattr(args, "quantization", None) == "fp8":
+        extra["quant_config"] = QuantConfig(quant_algo="FP8")
+    return dict(**extra, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
                 revision=args.revision)

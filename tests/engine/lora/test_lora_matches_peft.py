@@ -119,7 +119,12 @@ def test_mixed_batch_matches_each_request_alone(setup):
     ra, rb = _req(d, "a", 1), _req(d, "b", 2)
     prompts = PROMPTS + [PROMPTS[0], PROMPTS[1]]
     loras = [ra, None, rb, rb, ra]
+    seen = []
+    llm.add_stat_logger(seen.append)
     mixed = _greedy(llm, prompts, loras)
+    llm._loop.stat_loggers.remove(seen.append)
+    assert ["a", "b"] in [s.running_lora_adapters for s in seen]  # both adapters ran in one step
+    assert all(s.max_lora == 2 for s in seen)
     for p, lr, got in zip(prompts, loras, mixed):
         alone = _greedy(llm, [p], [lr])[0]
         assert got[0] == alone[0]

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig, MoeConfig, check_moe_parallelism
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -61,14 +61,24 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        speculative_config: `NGramDecodingConfig` or `DraftTargetDecodingConfig` (TensorRT-LLM's
+            classes, `kvpilot.llmapi`), a dict or JSON text of one (`parse_speculative_config`), or
+            None (no speculation). One GPU only (tensor and pipeline parallel size 1);
+            docs/speculative_decoding.md.
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
-            pick one with ``lora_request``. One GPU only (no tensor or pipeline parallelism).
+            pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
+            parallelism; pipeline parallelism is not supported.
         moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
-        moe_expert_parallel_size, moe_tensor_parallel_size: TensorRT-LLM's MoE layout; kvpilot
-            splits every expert over the tensor-parallel ranks, so only unset, 1 and
-            ``tensor_parallel_size`` are accepted (`kvpilot.config.check_moe_parallelism`).
+        moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
+            ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
+            ``tensor_parallel_size``, `kvpilot.config.check_moe_parallelism`): experts partitioned
+            over ``moe_expert_parallel_size`` groups, each expert split ``moe_tensor_parallel_size``
+            ways (docs/models.md). Default: every expert split over all ranks.
         guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
             (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
+        quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
+            FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
+            compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
 
     Sampling defaults: a request without ``sampling_params`` gets the checkpoint's
     ``generation_config.json`` values (temperature, top_p, top_k, repetition_penalty, min_p;
@@ -80,7 +90,7 @@ class LLM:
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
             positions included); an unsupported architecture; ``lora_config`` with tensor or
-            pipeline parallelism, or an adapter of ``lora_config.lora_dir`` that does not fit the model
+            pipeline parallelism (``pipeline_parallel_size`` > 1), or an adapter of ``lora_config.lora_dir`` that does not fit the model
             (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
@@ -95,7 +105,9 @@ class LLM:
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
                  lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
                  moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
-                 guided_decoding_backend: Optional[str] = "xgrammar") -> None:
+                 guided_decoding_backend: Optional[str] = "xgrammar",
+                 quant_config: Optional[QuantConfig] = None,
+                 speculative_config=None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -103,18 +115,24 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        from kvpilot.spec_decode import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(speculative_config)
+        if self.speculative_config is not None and tensor_parallel_size * pipeline_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                             "(speculative decoding runs on one GPU)")
         if lora_config is not None:
             from kvpilot.lora.config import LoraConfig
 
             if not isinstance(lora_config, LoraConfig):
                 raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
-            if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise ValueError("lora_config is supported on one GPU only (tensor_parallel_size=1, "
-                                 "pipeline_parallel_size=1)")
+            if pipeline_parallel_size > 1:
+                raise ValueError("lora_config is not supported with pipeline parallelism "
+                                 "(pipeline_parallel_size must be 1)")
         self.lora_config = lora_config
         if moe_config is not None and not isinstance(moe_config, MoeConfig):
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
-        check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        moe_ep = check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
         self.moe_config = moe_config or MoeConfig()
         if guided_decoding_backend is not None and guided_decoding_backend not in GUIDED_BACKENDS:
             raise ValueError(f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} or None, "
@@ -126,8 +144,20 @@ class LLM:
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        if quant_config is not None and not isinstance(quant_config, QuantConfig):
+            raise TypeError(f"quant_config must be a kvpilot.llmapi.QuantConfig, got {type(quant_config).__name__}")
+        self.quant_config = quant_config or QuantConfig()
+        kv_dtype = self.quant_config.kv_cache_dtype(self.kv_cache_config)
+        if kv_dtype != self.kv_cache_config.dtype:
+            self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
         self.model_config.moe_backend = self.moe_config.backend
+        self.model_config.moe_expert_parallel_size = moe_ep
+        from kvpilot.model.moe import check_moe_layout
+
+        check_moe_layout(self.model_config, tensor_parallel_size)  # before any worker starts
+        if self.quant_config.quant_algo:
+            self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())
@@ -150,6 +180,12 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
+        spec = None
+        if self.speculative_config is not None:
+            from kvpilot.spec_decode import build_speculative_decoder
+
+            spec = build_speculative_decoder(self.speculative_config, self._executor, max_num_tokens,
+                                             max_batch_size, self.max_seq_len, dtype)
         self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
         if lora_config is not None:
             self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
@@ -157,7 +193,8 @@ class LLM:
                 self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
-                                max_loras=lora_config.max_loras if lora_config is not None else 0)
+                                max_loras=lora_config.max_loras if lora_config is not None else 0,
+                                speculative=spec)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)
@@ -467,10 +504,14 @@ def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long
 
 def _lora_cache(executor, lora_config, cfg: ModelConfig):
     from kvpilot.lora.adapter import AdapterCache, load_adapter
-    from kvpilot.lora.layers import model_targets
+    from kvpilot.lora.layers import global_targets
 
-    targets = model_targets(executor.model)
-    num_layers, rank, dtype = cfg.num_hidden_layers, lora_config.max_lora_rank, executor.dtype
+    targets = global_targets(cfg)
+    import torch
+
+    # With worker processes the front end's copies only validate adapters (each rank loads its own).
+    dtype = getattr(executor, "dtype", torch.float32)
+    num_layers, rank = cfg.num_hidden_layers, lora_config.max_lora_rank
     return AdapterCache(lora_config, lambda req: load_adapter(req, targets, num_layers, rank, dtype))
 
 

@@ -15,8 +15,8 @@ is read back to the host and the launches can be captured in a CUDA graph) retur
 
 Small-token path (``T <= TUNING["small_max_tokens"]``, decode): no sort. One program per (pair,
 column tile); the program of the first pair that chose expert ``e`` serves every token that chose
-``e`` (the others return), so each selected expert's weight tile is read from memory once per step
-however many tokens share it. Products are broadcast multiply-and-sum in float32 registers
+``e`` (the others return, as do pairs of id ``-1``), so each selected expert's weight tile is read
+from memory once per step however many tokens share it. Products are broadcast multiply-and-sum in float32 registers
 (``T_MAX`` tokens at most), which suits the few rows of a decode batch better than ``tl.dot``.
 
 Both accumulate in float32 and round ``act`` and ``out`` to ``x.dtype`` (as the reference rounds
@@ -162,7 +162,7 @@ def _small_gate_up_kernel(
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, dup, rows, t_mask = _expert_tokens(ids_ptr, p, T, K_TOP, T_MAX, K_P2, PAIRS_P2)
-    if dup > 0:
+    if (dup > 0) | (e < 0):
         return
     t = tl.arange(0, T_MAX).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,7 +196,7 @@ def _small_down_kernel(
     p = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, dup, rows, t_mask = _expert_tokens(ids_ptr, p, T, K_TOP, T_MAX, K_P2, PAIRS_P2)
-    if dup > 0:
+    if (dup > 0) | (e < 0):
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < HIDDEN
@@ -225,13 +225,15 @@ def _grouped_config(pairs: int, num_experts: int):
 
 
 def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, path: str = "auto") -> torch.Tensor:
+                     topk_ids: torch.Tensor, path: str = "auto", partial: bool = False) -> torch.Tensor:
     """`kvpilot.kernels.moe.fused_moe_ref`'s value from the Triton kernels (module docstring).
 
     ``x`` ``[T, H]``, ``w13`` ``[E, 2I, H]`` and ``w2`` ``[E, H, I]`` in one float dtype, each
     contiguous in its last dimension; ``topk_weights`` ``[T, K]`` float32; ``topk_ids`` ``[T, K]``
     int. ``path``: ``"auto"`` (small-token path up to ``TUNING["small_max_tokens"]`` tokens),
-    ``"small"`` or ``"grouped"`` (tests, benchmarks). Returns ``[T, H]`` in ``x.dtype``.
+    ``"small"`` or ``"grouped"`` (tests, benchmarks). ``partial``: ``topk_ids`` may hold ``-1``
+    (another expert-parallel rank's expert; contributes zero: the per-pair output buffer is zeroed
+    first, which the kernels otherwise skip). Returns ``[T, H]`` in ``x.dtype``.
 
     Raises:
         ValueError: shapes that disagree, an unknown ``path``.
@@ -247,7 +249,7 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     inter = two_i // 2
     top_k = topk_ids.shape[1]
     pairs = num_tokens * top_k
-    out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if partial else torch.empty)(pairs, hidden, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out[:0]
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)

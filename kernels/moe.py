@@ -6,7 +6,8 @@ Layouts (one MoE layer, ``E`` experts of intermediate size ``I`` on this rank, h
   (``[gate | up]`` as `kvpilot.model.mlp.GatedMLP` stores them, one matrix per expert);
 - ``w2`` ``[E, H, I]``: each expert's down projection;
 - ``topk_ids`` ``[T, K]`` int (the ``K`` experts each of the ``T`` tokens is routed to, distinct per
-  token) and ``topk_weights`` ``[T, K]`` float32 (their routing weights).
+  token; ``-1``: a choice whose expert another expert-parallel rank holds, which contributes zero
+  here) and ``topk_weights`` ``[T, K]`` float32 (their routing weights).
 
 `select_experts` turns router logits into those two; `fused_moe_ref` is the reference (a loop over
 the experts that received tokens, what the engine runs on CPU); `moe_align` sorts the
@@ -62,7 +63,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     A loop over the experts that received tokens: each one's tokens gathered, its two matrix
     products in ``x.dtype``, the weighted outputs summed per token in float32 and rounded once to
-    ``x.dtype``. Shapes: module docstring; returns ``[T, H]`` in ``x.dtype``.
+    ``x.dtype``. Shapes: module docstring; returns ``[T, H]`` in ``x.dtype``. During a CUDA graph
+    capture (where the loop's host read of the chosen experts is not allowed) every expert runs on
+    every token, weighted by zero where not chosen: the same value, E times the work.
 
     Raises:
         ValueError: shapes that disagree.
@@ -72,8 +75,18 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).float()
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph nothing may be read back to the host: every expert over every token,
+        # weighted by its routing weight (zero where not chosen).
+        for e in range(w13.shape[0]):
+            gate_up = F.linear(x, w13[e])
+            y = F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], w2[e])
+            out += y.float() * (topk_weights.float() * (topk_ids == e)).sum(-1, keepdim=True)
+        return out.to(x.dtype)
     tokens = torch.arange(x.shape[0], device=x.device).repeat_interleave(topk_ids.shape[1])
     for e in torch.unique(flat_ids).tolist():
+        if e < 0:
+            continue
         sel = (flat_ids == e).nonzero().squeeze(1)
         tok = tokens[sel]
         gate_up = F.linear(x[tok], w13[e])
@@ -90,19 +103,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     int32, block_experts [B] int32)`` with ``B = ceil(T * K / block_m) + min(E, T * K)`` (an upper
     bound on the blocks, so nothing is read back to the host): row block ``b`` holds pairs of expert
     ``block_experts[b]`` (``-1``: an unused block, skipped by the kernels), padding slots hold
-    ``T * K``. Experts that receive no token get no block. Stable: an expert's pairs keep token order.
+    ``T * K``. Experts that receive no token get no block; pairs of id ``-1`` (another rank's
+    expert) are in blocks marked ``-1``. Stable: an expert's pairs keep token order. ``B`` counts
+    one more run (``min(E + 1, T * K)``) for those.
     """
     flat = topk_ids.reshape(-1).long()
+    flat = torch.where(flat < 0, num_experts, flat)  # another rank's choices: a run of their own, skipped
     tk = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     order = torch.argsort(flat, stable=True)
     sorted_e = flat[order]
     rank = torch.arange(tk, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_e]
-    blocks = -(-tk // block_m) + min(num_experts, tk)
+    blocks = -(-tk // block_m) + min(num_experts + 1, tk)
     sorted_pairs = torch.full((blocks * block_m,), tk, dtype=torch.int32, device=device)
     sorted_pairs[starts[sorted_e] + rank] = order.to(torch.int32)
     block_e = torch.searchsorted(ends, torch.arange(blocks, device=device) * block_m, right=True)
@@ -125,16 +141,17 @@ def check_backend(backend: str) -> str:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, backend: str = "TRITON") -> torch.Tensor:
+              topk_ids: torch.Tensor, backend: str = "TRITON", partial: bool = False) -> torch.Tensor:
     """The MoE experts' output ``[T, H]`` in ``x.dtype`` (`fused_moe_ref`'s contract).
 
     ``backend`` ``"TRITON"``: ``kernels/fused_moe.py`` when ``x`` is on CUDA and Triton imports,
-    else the reference; ``"TORCH"``: the reference everywhere.
+    else the reference; ``"TORCH"``: the reference everywhere. ``partial``: ``topk_ids`` may hold
+    ``-1`` (expert parallelism; the Triton path then zeroes the rows those choices leave unwritten).
     """
     from kvpilot.kernels import triton_available
 
     if check_backend(backend) == "TRITON" and x.is_cuda and triton_available():
         from kvpilot.kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, partial=partial)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

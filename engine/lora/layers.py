@@ -16,7 +16,14 @@ that this step does not use) and uploads each token's slot (``-1``: no adapter) 
 add nothing (CUDA graphs captured that way stay valid; steps with adapters run eagerly:
 `kvpilot.runner.model_runner`).
 
-Tensor parallelism: not supported yet (one rank holds the whole projection).
+Tensor parallelism: adapters are sharded like their base layers. Adapters are loaded with the
+base model's global shapes (`global_targets`); each rank's slots take its share when an adapter
+is copied in. For a column-parallel projection (q/k/v, gate/up) ``a`` is whole and ``b`` holds
+the rank's output rows (`LoRAProjection.rows`: the global row of each local one; replicated KV
+heads included). For a row-parallel one (``o_proj``, ``down_proj``) ``a`` holds the rank's input
+columns and ``b`` is whole, and the update is added to the rank's partial product before the
+all-reduce (`kvpilot.model.linear.RowParallelLinear`), so the sum over ranks is the whole update
+and no collective is added.
 """
 
 from __future__ import annotations
@@ -26,19 +33,21 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpilot.kernels.lora import lora_apply
+from kvpilot.kernels.lora import lora_apply, lora_tiles
 from kvpilot.lora.adapter import MODULE_PARTS, TARGETS, LoRAAdapter, Target
 from kvpilot.lora.config import LoraConfig
 
 
 class LoRAState:
     """What the projections read in one forward pass: ``active`` (some token has an adapter),
-    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints)."""
+    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints),
+    ``tiles`` (`kvpilot.kernels.lora.LoRATiles` for the Triton kernels; None on CPU)."""
 
     def __init__(self) -> None:
         self.active = False
         self.slot_index: Optional[torch.Tensor] = None
         self.slots: list[int] = []
+        self.tiles = None
 
 
 class LoRAProjection:
@@ -46,11 +55,16 @@ class LoRAProjection:
     adds the update of each token's adapter to ``out`` in place and returns it."""
 
     def __init__(self, state: LoRAState, in_features: int, out_features: int, parts: int, max_loras: int,
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 max_rank: int, dtype: torch.dtype, device: torch.device, rows: Optional[torch.Tensor] = None,
+                 col_start: int = 0) -> None:
         self.state = state
         self.max_rank = max_rank
         self.a = torch.zeros(max_loras, parts * max_rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, out_features, parts * max_rank, dtype=dtype, device=device)
+        #: global output row of each of this rank's rows (column parallel; identity on one rank)
+        self.rows = torch.arange(out_features) if rows is None else rows
+        #: first global input column of this rank (row parallel; 0 on one rank)
+        self.col_start = col_start
 
     @property
     def active(self) -> bool:
@@ -60,21 +74,26 @@ class LoRAProjection:
         st = self.state
         if not st.active:
             return out
-        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots)
+        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots, st.tiles)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
 
     def fill(self, slot: int, entries: list[tuple[Target, torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one adapter's modules of this projection into ``slot`` (cleared first)."""
+        """Copy this rank's share of one adapter's modules of this projection into ``slot``
+        (cleared first). ``entries`` have the global shapes (module docstring)."""
         self.clear(slot)
         R = self.max_rank
+        K = self.a.shape[2]
         for tgt, a, b in entries:
             r = a.shape[0]
             c = tgt.part * R
-            self.a[slot, c:c + r].copy_(a, non_blocking=True)
-            self.b[slot, tgt.row:tgt.row + tgt.rows, c:c + r].copy_(b, non_blocking=True)
+            self.a[slot, c:c + r].copy_(a[:, self.col_start:self.col_start + K])
+            local = torch.nonzero((self.rows >= tgt.row) & (self.rows < tgt.row + tgt.rows), as_tuple=True)[0]
+            if local.numel():
+                part = b.index_select(0, self.rows[local] - tgt.row).to(self.b.device, self.b.dtype)
+                self.b[slot, :, c:c + r].index_copy_(0, local.to(self.b.device), part)
 
     @property
     def nbytes(self) -> int:
@@ -82,6 +101,37 @@ class LoRAProjection:
 
 
 _MODULES = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+
+
+def global_targets(cfg) -> dict[str, Target]:
+    """`model_targets` of the whole (unsharded) model of ``cfg`` (a `kvpilot.model.config.ModelConfig`):
+    one layer built on the meta device, so no memory is allocated."""
+    from kvpilot.model.registry import model_class
+
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, None, (0, 1))
+    return model_targets(model)
+
+
+def _shard_rows(proj, module: str, cfg, rank: int, tp: int) -> Optional[torch.Tensor]:
+    """Global output rows of rank ``rank``'s rows of a column-parallel projection (None on one rank)."""
+    if tp == 1:
+        return None
+    from kvpilot.model.linear import kv_heads_of
+
+    if module == "qkv_proj":
+        hd = proj.head_dim
+        q_local, q_all = proj.num_heads * hd, cfg.num_attention_heads * hd
+        first, count = kv_heads_of(cfg.num_key_value_heads, rank, tp)
+        kv_all = cfg.num_key_value_heads * hd
+        k = torch.arange(first * hd, (first + count) * hd)
+        return torch.cat([rank * q_local + torch.arange(q_local), q_all + k, q_all + kv_all + k])
+    sizes = proj.output_sizes  # merged column parallel: each part split over the ranks
+    out, base = [], 0
+    for n in sizes:
+        out.append(base + rank * n + torch.arange(n))
+        base += n * tp
+    return torch.cat(out)
 
 
 def model_targets(model) -> dict[str, Target]:
@@ -122,12 +172,14 @@ class LoRASlots:
     copied into a slot so far).
 
     Raises:
-        ValueError: a tensor-parallel model, or one in tensor-parallel-invariant mode.
+        ValueError: a model in tensor-parallel-invariant mode (``KVPILOT_TP_INVARIANT``).
     """
 
     def __init__(self, model, config: LoraConfig, dtype: torch.dtype, device: torch.device) -> None:
-        if model.pc.tp_size > 1 or getattr(model, "invariant_shards", 0):
-            raise ValueError("LoRA adapters are not supported with tensor parallelism yet (tensor_parallel_size 1)")
+        if getattr(model, "invariant_shards", 0) or getattr(model, "tp_invariant", 0):
+            raise ValueError("LoRA adapters are not supported in tensor-parallel-invariant mode "
+                             "(KVPILOT_TP_INVARIANT); unset it")
+        rank, tp = model.pc.tp_rank, model.pc.tp_size
         self.config = config
         self.device = device
         self.state = LoRAState()
@@ -137,14 +189,42 @@ class LoRASlots:
                 proj = getattr(getattr(layer, block, None), module, None)
                 if proj is None or not hasattr(proj, "output_sizes"):
                     continue
+                row_parallel = module in ("o_proj", "down_proj")
                 p = LoRAProjection(self.state, proj.input_size, proj.output_size, MODULE_PARTS[module],
-                                   config.max_loras, config.max_lora_rank, dtype, device)
+                                   config.max_loras, config.max_lora_rank, dtype, device,
+                                   rows=None if row_parallel else _shard_rows(proj, module, model.cfg, rank, tp),
+                                   col_start=rank * proj.input_size if row_parallel else 0)
                 proj.lora = p
                 self.projections[(layer.layer_idx, module)] = p
         self.nbytes = sum(p.nbytes for p in self.projections.values())
         self._slot_of: "OrderedDict[int, int]" = OrderedDict()  # lora_int_id -> slot, least recent first
         self._free = list(range(config.max_loras))
         self.loads = 0
+        if device.type == "cuda":
+            from kvpilot.kernels import triton_available
+
+            if triton_available():
+                self.warm_up()
+
+    def warm_up(self) -> int:
+        """Compile the Triton kernels for every projection shape now (one token through an empty
+        slot: nothing changes), so the first step with an adapter does not stall on compilation.
+        Returns the shapes compiled. Runs on CUDA at construction; on CPU only under
+        ``TRITON_INTERPRET=1`` (tests)."""
+        from kvpilot.kernels.lora import lora_apply_triton
+
+        seen = set()
+        tiles = lora_tiles([0], self.device)
+        slot = torch.zeros(1, dtype=torch.int32, device=self.device)
+        for p in self.projections.values():
+            key = (p.a.shape[1], p.a.shape[2], p.b.shape[1], p.a.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.zeros(1, p.a.shape[2], dtype=p.a.dtype, device=self.device)
+            out = torch.zeros(1, p.b.shape[1], dtype=p.a.dtype, device=self.device)
+            lora_apply_triton(x, out, p.a, p.b, slot, tiles=tiles)
+        return len(seen)
 
     def resident(self) -> list[int]:
         """Ids of the adapters in a slot, least recently used first."""
@@ -191,7 +271,7 @@ class LoRASlots:
         """
         st = self.state
         if not any(s.lora is not None for s in seqs):
-            st.active, st.slot_index, st.slots = False, None, []
+            st.active, st.slot_index, st.slots, st.tiles = False, None, [], None
             return False
         in_use = {s.lora.int_id for s in seqs if s.lora is not None}
         if len(in_use) > self.config.max_loras:
@@ -206,5 +286,13 @@ class LoRASlots:
         t = torch.tensor(index, dtype=torch.int32)
         st.slot_index = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
         st.slots = sorted(slots)
+        st.tiles = lora_tiles(index, self.device) if self.device.type == "cuda" else None
         st.active = True
         return True
+
+    def pad_to(self, n: int) -> None:
+        """Extend the step's slot index to ``n`` tokens with ``-1`` (a step padded for its shapes)."""
+        st = self.state
+        if st.active and st.slot_index.shape[0] < n:
+            pad = torch.full((n - st.slot_index.shape[0],), -1, dtype=torch.int32, device=st.slot_index.device)
+            st.slot_index = torch.cat([st.slot_index, pad])

@@ -33,7 +33,8 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers import (AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding,
                                   fused_gemv_enabled, tp_reduce_fp32_enabled)
 from kvpilot.model.mlp import GatedMLP
-from kvpilot.model.quantization import QuantizationMethod, get_quantization_method
+from kvpilot.model.quantization import (QuantizationMethod, UnquantizedLinearMethod, UnsupportedQuantizationError,
+                                        apply_module_exclusions, get_quantization_method)
 from kvpilot.model.rotary import RotaryEmbedding, rope_parameters
 from kvpilot.model.tp_invariant import tp_invariant_size
 
@@ -207,12 +208,16 @@ class CausalLM(nn.Module):
         self.invariant_shards = 0
         self.lm_head_shards = None
         self.tp_reduce_fp32 = tp_reduce_fp32_enabled()  # read once: KVPILOT_TP_REDUCE_FP32
-        self.quant_method = get_quantization_method(cfg.raw)
+        self.quant_method = get_quantization_method(cfg.raw, getattr(cfg, "quantization", None))
+        if tp_invariant_size() and not isinstance(self.quant_method, UnquantizedLinearMethod):
+            raise UnsupportedQuantizationError("KVPILOT_TP_INVARIANT shard layers hold 16/32-bit weights only; "
+                                               "unset it for a quantized model")
         if not self.spec.supports_tp_invariant and tp_invariant_size():
             raise ValueError(f"KVPILOT_TP_INVARIANT has shard layers for Llama only, not {cfg.architecture}; "
                              f"unset it for this model")
         self._build_ends()
         self.layers = nn.ModuleList(self.build_layer(i) for i in range(start, end))
+        apply_module_exclusions(self)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.spec.norm_offset) if self.is_last else None
         self.lm_head = None
         if self.is_last and self.lm_head_shards is None and not cfg.tie_word_embeddings:

@@ -14,7 +14,8 @@ Parameters are registered by the layer's quantization method (``weight`` ``[N, K
 the merged parts, which the loader (`kvpilot.model.weights`) fills.
 
 LoRA seam: ``layer.lora`` (None unless `kvpilot.lora.layers.LoRASlots` attached one) is called as
-``lora(x, out)`` after the base product and adds each token's adapter update to ``out``.
+``lora(x, out)`` after the base product and adds each token's adapter update to ``out``; in a
+row-parallel layer, to the rank's partial product before the all-reduce.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
+        self.bias_flag = bias
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_sizes, bias)
 
@@ -58,6 +60,19 @@ class LinearBase(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    def set_quant_method(self, quant_method: QuantizationMethod) -> None:
+        """Replace the layer's method and its parameters (before loading; e.g. a checkpoint module
+        a quantization format leaves unquantized, `kvpilot.model.quantization.apply_module_exclusions`).
+        The new parameters are on the old weight's device."""
+        device = self.weight.device
+        for name in list(self._parameters):
+            delattr(self, name)
+        for attr in ("quant_dtypes", "scale_block"):
+            self.__dict__.pop(attr, None)
+        self.quant_method = quant_method
+        with torch.device(device):
+            quant_method.create_weights(self, self.input_size, self.output_sizes, self.bias_flag)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, quant={type(self.quant_method).__name__}"
@@ -128,5 +143,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         matmul = fused if fused is not None and self.quant_method.supports_fused_gemv else self._matmul
-        out = self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)
-        return out if self.lora is None else self.lora(x, out)
+        lora = self.lora
+        if lora is not None and lora.active:  # the rank's share of the update joins its partial product
+            base = matmul
+
+            def matmul(x, weight, bias, out_dtype):
+                return lora(x, base(x, weight, bias, out_dtype))
+        return self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)

@@ -61,6 +61,7 @@ from kvpilot.config import KvCacheConfig, cpu_kv_cache_bytes
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers import AttentionMetadata, ParallelContext
 from kvpilot.model.registry import model_class
+from kvpilot.model.quantization import cast_model
 from kvpilot.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -255,7 +256,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(cfg.architecture)(cfg, pc, layer_range)
         # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
-        model = model.to(self.dtype).to_empty(device=self.device)
+        # (FP8 weights and their float32 scales keep their dtypes: `cast_model`.)
+        model = cast_model(model, self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
         model.eval()
         rope_len = max(max_seq_len, cfg.max_position_embeddings)
@@ -513,6 +515,8 @@ class ModelRunner:
 
     def _execute_eager(self, seqs: list[ScheduledSeq], fix) -> tuple[torch.Tensor, list[int]]:
         ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
+        if self.lora is not None:
+            self.lora.pad_to(ids.shape[0])  # padded tokens (`prefill_pad_buckets`) have no adapter
         if fix is not None:
             fix(ids)
         hidden = self._forward(ids, pos, meta, self.kv_caches)

@@ -60,11 +60,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), or a "
                              "16/32-bit float type")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 (E4M3, per-channel "
+                             "scales, per-token activations; QuantConfig(quant_algo='FP8')). Default: none; "
+                             "FP8 checkpoints (ModelOpt, compressed-tensors, block-wise) need no flag")
     parser.add_argument("--dtype", default="auto",
                         help="weights' dtype: auto (the checkpoint's 16-bit type on GPU, float32 on CPU), "
                              "bfloat16, float16, float32")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as a JSON object: {"decoding_type": "NGram", "max_draft_len": 4, '
+                             '"max_matching_ngram_size": 4} or {"decoding_type": "DraftTarget", "max_draft_len": 4, '
+                             '"speculative_model": DIR_OR_HUB_ID} (default: none, no speculation; '
+                             'docs/speculative_decoding.md)')
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
@@ -183,9 +192,13 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
                        enable_block_reuse=args.enable_block_reuse and not args.no_prefix_caching,
                        tokens_per_block=args.tokens_per_block, dtype=args.kv_cache_dtype)
+    from kvpilot.config import QuantConfig
+
     lora = _lora_config(args)
     extra = {"lora_config": lora} if lora is not None else {}
-    return dict(**extra,tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+    if getattr(args, "quantization", None) == "fp8":
+        extra["quant_config"] = QuantConfig(quant_algo="FP8")
+    return dict(**extra, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
                 revision=args.revision)
@@ -197,7 +210,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 
     backend = getattr(args, "guided_decoding_backend", "xgrammar")
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
-               trust_remote_code=args.trust_remote_code, guided_decoding_backend=None if backend == "none" else backend,
+               trust_remote_code=args.trust_remote_code, speculative_config=args.speculative_config,
+               guided_decoding_backend=None if backend == "none" else backend,
                **_engine_kwargs(args))
 
 
@@ -208,7 +222,8 @@ def preflight(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
             and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
-        ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len`` or
+            ``--speculative-config``.
     """
     from pathlib import Path
 
@@ -217,13 +232,19 @@ def preflight(args: argparse.Namespace) -> None:
     from kvpilot.runner.model_runner import check_device
 
     check_device(args.device)
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from kvpilot.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(speculative)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1")
     if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
         _lora_config(args)  # bad counts are one line now
-        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is supported on one GPU only (--tensor-parallel-size 1, "
-                             "--pipeline-parallel-size 1)")
+        if args.pipeline_parallel_size > 1:
+            raise ValueError("--enable-lora is not supported with pipeline parallelism (--pipeline-parallel-size 1)")
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -292,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
         kwargs = _engine_kwargs(args)
-        kwargs.pop("lora_config", None)  # (refused with more than one GPU: the leader says so)
+        kwargs.pop("lora_config", None)  # (a multi-node group is pipeline parallel: the leader refuses LoRA)
         return run_lws_worker(args.model, group=group, **kwargs)
     try:
         template = load_chat_template(args.chat_template)

@@ -30,8 +30,10 @@ def test_moe_config_is_importable_where_tensorrt_llm_has_it():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(moe_expert_parallel_size=2), "moe_expert_parallel_size=2: expert parallelism is not supported"),
-    (dict(moe_tensor_parallel_size=2), "moe_tensor_parallel_size=2 must equal tensor_parallel_size=1"),
+    (dict(moe_expert_parallel_size=2), "moe_expert_parallel_size=2 must divide tensor_parallel_size=1"),
+    (dict(moe_tensor_parallel_size=2), "moe_tensor_parallel_size=2 must divide tensor_parallel_size=1"),
+    (dict(tensor_parallel_size=4, moe_tensor_parallel_size=4, moe_expert_parallel_size=2),
+     "moe_tensor_parallel_size=4 x moe_expert_parallel_size=2 must equal tensor_parallel_size=4"),
     (dict(moe_expert_parallel_size=0), "moe_expert_parallel_size must be an integer >= 1"),
     (dict(moe_config="TRITON"), "moe_config must be a kvpilot.llmapi.MoeConfig"),
 ])
@@ -40,6 +42,27 @@ def test_unsupported_moe_layouts_fail_before_loading(kwargs, match):
 
     with pytest.raises((ValueError, TypeError), match=match):
         LLM("/nonexistent/model", device="cpu", **kwargs)  # raised before the path is looked at
+
+
+def test_expert_parallel_size_follows_from_the_other_two():
+    from kvpilot.config import check_moe_parallelism
+
+    assert check_moe_parallelism(4, None, None) == 1
+    assert check_moe_parallelism(4, None, 1) == 4 and check_moe_parallelism(4, 2, None) == 2
+    assert check_moe_parallelism(8, 4, 2) == 4
+
+
+def test_expert_parallelism_of_a_dense_model_is_refused(qwen3_moe):
+    from dataclasses import replace
+
+    from kvpilot.model.config import ModelConfig
+    from kvpilot.model.moe import check_moe_layout
+
+    cfg = replace(ModelConfig.from_dir(qwen3_moe), moe_expert_parallel_size=2)
+    check_moe_layout(cfg, 2)
+    with pytest.raises(ValueError, match="moe_expert_parallel_size=2 needs a mixture-of-experts model; "
+                                         "LlamaForCausalLM is dense"):
+        check_moe_layout(replace(cfg, architecture="LlamaForCausalLM"), 2)
 
 
 def test_llm_moe_backend_reaches_the_blocks_and_both_backends_agree(qwen3_moe):

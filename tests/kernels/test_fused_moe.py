@@ -115,3 +115,17 @@ def test_triton_bf16_within_rounding_of_reference():
 def test_dispatcher_torch_backend_is_the_reference():
     x, w13, w2, w, ids = _problem(5, 4, 2, 16, 8)
     torch.testing.assert_close(fused_moe(x, w13, w2, w, ids, backend="TORCH"), fused_moe_ref(x, w13, w2, w, ids))
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["small", "grouped"])
+def test_choices_of_another_expert_parallel_rank_contribute_zero(path):
+    """Ids of -1 (experts another rank holds): the kernels skip them and their rows add nothing."""
+    from kvpilot.kernels import fused_moe as FM
+
+    x, w13, w2, w, ids = _problem(5, 4, 2, 24, 16, seed=2)
+    ids = torch.where(ids >= 2, ids - 2, -1)  # rank 1 of EP 2: experts 2, 3 as local 0, 1
+    got = FM.fused_moe_triton(x, w13[:2], w2[:2], w, ids, path=path, partial=True)
+    want = fused_moe_ref(x, w13[:2], w2[:2], w, ids)
+    assert (ids == -1).any() and (ids >= 0).any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

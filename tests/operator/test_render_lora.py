@@ -1,6 +1,6 @@
 """spec.lora.adapters: every listed adapter reaches the engine's arguments (--enable-lora
 --lora-modules name=path, the slot counts), Hub adapters are downloaded by init containers into the
-model volume, and the CRD refuses duplicate names, bad sources and LoRA with more than one GPU."""
+model volume, and the CRD refuses duplicate names, bad sources and LoRA with pipeline parallelism."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_changing_the_adapters_changes_the_pod_template():
     ({"adapters": [{"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}]}, {}, "names must be unique"),
     ({"adapters": [{"name": "a", "source": "s3://bucket/x"}]}, {}, "Hub id (org/name) or an absolute path"),
     ({"adapters": [{"name": "a", "source": "/x", "revision": "v1"}]}, {}, "revision applies to Hub ids only"),
-    ({"adapters": [{"name": "a", "source": "/x"}]}, {"parallelism": {"tensor": 2}}, "one GPU per replica"),
+    ({"adapters": [{"name": "a", "source": "/x"}]}, {"parallelism": {"pipeline": 2}}, "tensor parallelism only"),
     ({"adapters": [{"name": MODEL, "source": "/x"}]}, {}, "must differ from the base model's name"),
     ({"adapters": [{"name": "a"}]}, {}, "'source' is a required property"),
     ({"adapters": [], "maxLoras": 0}, {}, "less than the minimum of 1"),

@@ -163,9 +163,9 @@ def test_lora_flags(tmp_path):
     with pytest.raises(ValueError, match="used twice"):
         cli.preflight(parser.parse_args([str(tmp_path), "--device", "cpu", "--enable-lora", "--lora-modules",
                                          "a=/x", "a=/y"]))
-    with pytest.raises(ValueError, match="one GPU only"):
+    with pytest.raises(ValueError, match="not supported with pipeline parallelism"):
         cli.preflight(parser.parse_args([str(tmp_path), "--device", "cpu", "--enable-lora",
-                                         "--tensor-parallel-size", "2"]))
+                                         "--pipeline-parallel-size", "2"]))
 
 
 def test_endpoints_without_enable_lora_are_400(tmp_path):
@@ -174,3 +174,34 @@ def test_endpoints_without_enable_lora_are_400(tmp_path):
     with TestClient(create_app(state)) as client:
         r = client.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
         assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_lora_requests_info_metric_follows_the_adapters():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvpilot.core.stats import IterationStats, KvCacheStats
+    from kvpilot.server.metrics import PrometheusStatLogger
+
+    reg = CollectorRegistry()
+    log = PrometheusStatLogger("base", max_model_len=64, registry=reg, compat_prefixes=("kvpilot:", "vllm:"))
+    kv = KvCacheStats(max_num_blocks=10, free_num_blocks=10, used_num_blocks=0, tokens_per_block=4)
+
+    def stats(t, running, waiting):
+        return IterationStats(iter=1, timestamp=t, iter_latency_s=0.01, num_running=len(running),
+                              num_waiting=len(waiting), kv_cache=kv, max_lora=4, running_lora_adapters=running,
+                              waiting_lora_adapters=waiting)
+
+    log(stats(100.0, ["chat", "sql"], ["x"]))
+    text = generate_latest(reg).decode()
+    for p in ("kvpilot:", "vllm:"):
+        assert (p + 'lora_requests_info{max_lora="4",model_name="base",running_lora_adapters="chat,sql",'
+                'waiting_lora_adapters="x"} 100.0') in text
+    log(stats(101.0, ["sql"], []))
+    text = generate_latest(reg).decode()
+    assert 'running_lora_adapters="chat,sql"' not in text  # the previous label values are dropped
+    assert ('kvpilot:lora_requests_info{max_lora="4",model_name="base",running_lora_adapters="sql",'
+            'waiting_lora_adapters=""} 101.0') in text
+    plain = CollectorRegistry()
+    PrometheusStatLogger("base", max_model_len=64, registry=plain)(IterationStats(
+        iter=1, timestamp=1.0, iter_latency_s=0.0, num_running=0, num_waiting=0, kv_cache=kv))
+    assert "lora_requests_info{" not in generate_latest(plain).decode()  # no LoRA: no series

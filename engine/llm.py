@@ -61,6 +61,10 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        speculative_config: `NGramDecodingConfig` or `DraftTargetDecodingConfig` (TensorRT-LLM's
+            classes, `kvpilot.llmapi`), a dict or JSON text of one (`parse_speculative_config`), or
+            None (no speculation). One GPU only (tensor and pipeline parallel size 1);
+            docs/speculative_decoding.md.
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
             pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
             parallelism; pipeline parallelism is not supported.
@@ -102,7 +106,8 @@ class LLM:
                  lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
                  moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
                  guided_decoding_backend: Optional[str] = "xgrammar",
-                 quant_config: Optional[QuantConfig] = None) -> None:
+                 quant_config: Optional[QuantConfig] = None,
+                 speculative_config=None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -110,6 +115,12 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        from kvpilot.spec_decode import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(speculative_config)
+        if self.speculative_config is not None and tensor_parallel_size * pipeline_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                             "(speculative decoding runs on one GPU)")
         if lora_config is not None:
             from kvpilot.lora.config import LoraConfig
 
@@ -169,6 +180,12 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
+        spec = None
+        if self.speculative_config is not None:
+            from kvpilot.spec_decode import build_speculative_decoder
+
+            spec = build_speculative_decoder(self.speculative_config, self._executor, max_num_tokens,
+                                             max_batch_size, self.max_seq_len, dtype)
         self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
         if lora_config is not None:
             self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
@@ -176,7 +193,8 @@ class LLM:
                 self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
-                                max_loras=lora_config.max_loras if lora_config is not None else 0)
+                                max_loras=lora_config.max_loras if lora_config is not None else 0,
+                                speculative=spec)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)

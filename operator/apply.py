@@ -47,6 +47,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Pod": ("v1", "pods"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     KIND: (API_VERSION, PLURAL),
 }
 

@@ -285,6 +285,8 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
+            if seq.spec_token_ids:  # drafts to verify (speculative decoding)
+                num_tokens += len(seq.spec_token_ids)
             if seq.inflight_row >= 0:  # its sampled token is still on the device
                 num_tokens += 1
                 if num_tokens >= seq.length_limit:  # and it is the last one: nothing more to compute

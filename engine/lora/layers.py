@@ -33,19 +33,21 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpilot.kernels.lora import lora_apply
+from kvpilot.kernels.lora import lora_apply, lora_tiles
 from kvpilot.lora.adapter import MODULE_PARTS, TARGETS, LoRAAdapter, Target
 from kvpilot.lora.config import LoraConfig
 
 
 class LoRAState:
     """What the projections read in one forward pass: ``active`` (some token has an adapter),
-    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints)."""
+    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints),
+    ``tiles`` (`kvpilot.kernels.lora.LoRATiles` for the Triton kernels; None on CPU)."""
 
     def __init__(self) -> None:
         self.active = False
         self.slot_index: Optional[torch.Tensor] = None
         self.slots: list[int] = []
+        self.tiles = None
 
 
 class LoRAProjection:
@@ -72,7 +74,7 @@ class LoRAProjection:
         st = self.state
         if not st.active:
             return out
-        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots)
+        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots, st.tiles)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -244,7 +246,7 @@ class LoRASlots:
         """
         st = self.state
         if not any(s.lora is not None for s in seqs):
-            st.active, st.slot_index, st.slots = False, None, []
+            st.active, st.slot_index, st.slots, st.tiles = False, None, [], None
             return False
         in_use = {s.lora.int_id for s in seqs if s.lora is not None}
         if len(in_use) > self.config.max_loras:
@@ -259,6 +261,7 @@ class LoRASlots:
         t = torch.tensor(index, dtype=torch.int32)
         st.slot_index = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
         st.slots = sorted(slots)
+        st.tiles = lora_tiles(index, self.device) if self.device.type == "cuda" else None
         st.active = True
         return True
 

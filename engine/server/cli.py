@@ -67,6 +67,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "bfloat16, float16, float32")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as a JSON object: {"decoding_type": "NGram", "max_draft_len": 4, '
+                             '"max_matching_ngram_size": 4} or {"decoding_type": "DraftTarget", "max_draft_len": 4, '
+                             '"speculative_model": DIR_OR_HUB_ID} (default: none, no speculation; '
+                             'docs/speculative_decoding.md)')
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
@@ -206,7 +211,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     from kvpilot import LLM
 
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
-               trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
+               trust_remote_code=args.trust_remote_code, speculative_config=args.speculative_config,
+               **_engine_kwargs(args))
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -216,8 +222,8 @@ def preflight(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
             and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
-        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len`` or MoE
-            layout (`kvpilot.config.check_moe_parallelism`).
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len``,
+            ``--speculative-config`` or MoE layout (`kvpilot.config.check_moe_parallelism`).
     """
     from pathlib import Path
 
@@ -230,6 +236,13 @@ def preflight(args: argparse.Namespace) -> None:
 
     check_moe_parallelism(args.tensor_parallel_size, getattr(args, "moe_expert_parallel_size", None),
                           getattr(args, "moe_tensor_parallel_size", None))
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from kvpilot.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(speculative)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1")
     if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):

@@ -51,7 +51,10 @@ def test_switching_autoscaling_on_does_not_remove_replicas_and_off_restores_spec
 
 
 class ReconcileApi(FakeApi):
-    """FakeApi plus the Event POSTs reconcile makes on failure."""
+    """FakeApi plus the lists (for foreign autoscalers) and Event POSTs reconcile makes."""
+
+    def list(self, kind, ns, labels):
+        return [copy.deepcopy(o) for (k, n, _), o in self.objects.items() if k == kind and n == ns]
 
     def request(self, method, path, body=None, **_):
         self.writes.append(f"{method} {path}")
@@ -110,4 +113,5 @@ async def test_drift_repair_leaves_autoscaled_replicas_to_the_autoscaler(operato
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "llama")["spec"]["template"]["spec"]
                        ["containers"][0]["image"] == "kvpilot/engine:2", timeout=5)
     await asyncio.sleep(1.5)  # an autoscaler round and any drift repair
+    await env.settle(quiet=0.5)  # let the last reconcile finish before the operator stops
     assert env.get("Deployment", NAMESPACE, "llama")["spec"]["replicas"] == 3

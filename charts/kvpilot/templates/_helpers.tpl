@@ -54,6 +54,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, patch]
+# Other autoscalers (HPAs, KEDA ScaledObjects) whose scaleTargetRef reaches an LLMDeployment or
+# its workload: the operator then leaves the replicas to them (docs/autoscaling.md). KEDA acts
+# through an HPA it creates, so watching HPAs sees ScaledObjects come and go too.
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [list, watch]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [list]
 # Events on the LLMDeployment: rescales, failures (kopf's and the operator's).
 - apiGroups: [""]
   resources: [events]

@@ -87,6 +87,11 @@ class SpeculativeDecoder:
         cands: list[Sequence] = []
         ks: list[int] = []
         K = self.max_draft_len
+        limit = self.config.max_concurrency
+        if limit is not None and len(running) > limit:  # large batch: plain decoding this step
+            for seq in running:
+                seq.spec_token_ids = ()
+            return
         for seq in running:
             seq.spec_token_ids = ()
             if seq.status is not _RUNNING or seq.shared_prefix is not None or seq.inflight_row >= 0:
@@ -200,6 +205,9 @@ class SpeculativeDecoder:
             st.num_accepted_tokens += accepted
             for j in range(accepted):
                 st.accepted_per_pos[j] += 1
+            rm = seq.request.output.metrics
+            rm.num_draft_tokens += m
+            rm.num_accepted_tokens += accepted
             if seq.status is not _RUNNING:
                 if self.draft is not None:
                     self.draft.release(seq)

@@ -96,6 +96,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (default 16)")
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="LoRA adapters kept in host memory (default: max(--max-loras, adapters listed))")
+    parser.add_argument("--moe-backend", default="TRITON", type=str.upper, choices=["TRITON", "TORCH"],
+                        help="mixture-of-experts kernels: TRITON (fused, default) or TORCH (the PyTorch "
+                             "reference); MoeConfig(backend=...) (docs/models.md)")
+    parser.add_argument("--moe-expert-parallel-size", type=int, default=None,
+                        help="MoE models: expert groups the tensor-parallel ranks form (must divide "
+                             "--tensor-parallel-size and the expert count; default 1)")
+    parser.add_argument("--moe-tensor-parallel-size", type=int, default=None,
+                        help="MoE models: ways each expert is split (default: --tensor-parallel-size / "
+                             "--moe-expert-parallel-size)")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's own log level: debug, info, warning, error")
 
@@ -185,6 +194,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"lora_config": lora} if lora is not None else {}
     if getattr(args, "quantization", None) == "fp8":
         extra["quant_config"] = QuantConfig(quant_algo="FP8")
+    from kvpilot.config import MoeConfig
+
+    extra["moe_config"] = MoeConfig(backend=getattr(args, "moe_backend", "TRITON"))
+    for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
     return dict(**extra, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
@@ -207,8 +222,8 @@ def preflight(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
             and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
-        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len`` or
-            ``--speculative-config``.
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len``,
+            ``--speculative-config`` or MoE layout (`kvpilot.config.check_moe_parallelism`).
     """
     from pathlib import Path
 
@@ -217,6 +232,10 @@ def preflight(args: argparse.Namespace) -> None:
     from kvpilot.runner.model_runner import check_device
 
     check_device(args.device)
+    from kvpilot.config import check_moe_parallelism
+
+    check_moe_parallelism(args.tensor_parallel_size, getattr(args, "moe_expert_parallel_size", None),
+                          getattr(args, "moe_tensor_parallel_size", None))
     speculative = getattr(args, "speculative_config", None)
     if speculative is not None:
         from kvpilot.spec_decode.config import parse_speculative_config

@@ -158,3 +158,30 @@ def test_stats_and_prometheus_count_drafts(ngram_llm):
                  "kvpilot:spec_decode_num_accepted_tokens_total",
                  'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'):
         assert name in text
+
+
+def test_verification_replays_prefill_graphs(stories_model_dir, baseline):
+    """Verification steps replay the prefill CUDA graphs (CPU doubles here): logits at every draft
+    position come from the graph's static hidden states, and greedy output is unchanged."""
+    import torch
+    from support.graphs import cpu_graph_class
+
+    from kvpilot.runner.cuda_graphs import PrefillGraphs
+
+    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), **KW) as llm:
+        runner = llm._executor
+        g = cpu_graph_class(PrefillGraphs)(runner)
+        with torch.inference_mode():
+            g.capture()
+        replays = []
+        run = g.run
+
+        def counting_run(seqs, fix_inputs=None):
+            replays.append(sum(s.verify for s in seqs))
+            return run(seqs, fix_inputs)
+
+        g.run = counting_run
+        runner.prefill_graphs = g
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
+        assert sum(replays) > 10  # verification entries went through the graphs
+        _pools_empty(llm)

@@ -5,7 +5,7 @@ nothing an n-gram lookup or a small draft could predict), so the acceptance rate
 benchmark with an *oracle* proposer: the target's own greedy continuation (from a run without
 speculation), each drafted token replaced by a random other id with probability ``corrupt``. What
 it measures is the engine's cost of speculation: the verification pass over ``k + 1`` positions per
-sequence (eager: CUDA graphs cover only plain decode steps), the rejection sampler and the host work,
+sequence (a prefill CUDA graph replay up to 256 tokens, eager beyond), the rejection sampler and the host work,
 against the tokens each step emits. The measured acceptance (accepted / drafted tokens) is reported
 next to each setting; the verification's numerics may differ slightly from the decode graphs', so
 it can sit a little below ``1 - corrupt``.

@@ -7,8 +7,9 @@ One engine step with speculation (`kvpilot.core.engine_core.EngineCore.step` cal
    (fewer near its length limit). The scheduler counts them as tokens to compute, so its token
    budget and block allocation cover them (a budget cut keeps a prefix of the drafts).
 2. The step's plan gives such a sequence the chunk ``[last token] + drafts`` with logits at every
-   position (``all_logits``): the target verifies all drafts of all sequences in the same forward
-   pass as the other sequences' prefill chunks and decodes (the prefill/extend attention path).
+   position (``all_logits``, ``verify``): the target verifies all drafts of all sequences in the
+   same forward pass as the other sequences' prefill chunks and decodes (the prefill/extend
+   attention path; the prefill CUDA graphs cover such steps up to their token bucket).
 3. `verify` (after the pass): `kvpilot.spec_decode.rejection.verify` picks each sequence's tokens;
    they are appended one position at a time across the verified sequences, each through the engine's
    fast and slow output work (stop ids, EOS, ``max_tokens``, stop strings, logprobs, detokenization),
@@ -86,6 +87,11 @@ class SpeculativeDecoder:
         cands: list[Sequence] = []
         ks: list[int] = []
         K = self.max_draft_len
+        limit = self.config.max_concurrency
+        if limit is not None and len(running) > limit:  # large batch: plain decoding this step
+            for seq in running:
+                seq.spec_token_ids = ()
+            return
         for seq in running:
             seq.spec_token_ids = ()
             if seq.status is not _RUNNING or seq.shared_prefix is not None or seq.inflight_row >= 0:
@@ -123,7 +129,7 @@ class SpeculativeDecoder:
         if extra <= 0 or not seq.spec_token_ids:
             return None
         return ScheduledSeq(seq.seq_id, toks[start:] + list(seq.spec_token_ids[:extra]), start, seq.block_table,
-                            True, True)
+                            True, True, verify=True)
 
     def verify(self, core, items: list[tuple[Sequence, ScheduledSeq, int]], logits: torch.Tensor) -> int:
         """Verify the drafts of ``items`` = (sequence, its plan entry, its first row of ``logits``) and
@@ -199,6 +205,9 @@ class SpeculativeDecoder:
             st.num_accepted_tokens += accepted
             for j in range(accepted):
                 st.accepted_per_pos[j] += 1
+            rm = seq.request.output.metrics
+            rm.num_draft_tokens += m
+            rm.num_accepted_tokens += accepted
             if seq.status is not _RUNNING:
                 if self.draft is not None:
                     self.draft.release(seq)

@@ -86,10 +86,14 @@ def test_ngram_greedy_equals_plain_greedy_in_a_mixed_batch(ngram_llm, baseline):
 def test_draft_equal_to_target_accepts_every_draft(self_draft_llm, baseline):
     spec = self_draft_llm._core.spec
     t0 = (spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens)
-    assert _ids(self_draft_llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
+    outs = self_draft_llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == _ids(baseline[0])
     drafted = spec.totals.num_draft_tokens - t0[0]
     accepted = spec.totals.num_accepted_tokens - t0[1]
     assert drafted > 80 and accepted == drafted
+    # per request too (RequestOutput.metrics)
+    assert sum(o.metrics.num_draft_tokens for o in outs) == drafted
+    assert all(0 < o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens for o in outs)
     _pools_empty(self_draft_llm)
 
 
@@ -141,6 +145,20 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(self_draft_llm):
     assert other != alone
 
 
+def test_max_concurrency_turns_speculation_off_in_large_batches(ngram_llm, baseline):
+    spec = ngram_llm._core.spec
+    spec.config.max_concurrency = 1
+    try:
+        before = spec.totals.num_drafts
+        assert _ids(ngram_llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))) == [
+            ids[:12] for ids in _ids(baseline[0][:3])]
+        assert spec.totals.num_drafts == before  # 3 running > 1: no step speculated
+        ngram_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
+        assert spec.totals.num_drafts > before
+    finally:
+        spec.config.max_concurrency = None
+
+
 def test_stats_and_prometheus_count_drafts(ngram_llm):
     from prometheus_client import generate_latest
 
@@ -158,3 +176,30 @@ def test_stats_and_prometheus_count_drafts(ngram_llm):
                  "kvpilot:spec_decode_num_accepted_tokens_total",
                  'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'):
         assert name in text
+
+
+def test_verification_replays_prefill_graphs(stories_model_dir, baseline):
+    """Verification steps replay the prefill CUDA graphs (CPU doubles here): logits at every draft
+    position come from the graph's static hidden states, and greedy output is unchanged."""
+    import torch
+    from support.graphs import cpu_graph_class
+
+    from kvpilot.runner.cuda_graphs import PrefillGraphs
+
+    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), **KW) as llm:
+        runner = llm._executor
+        g = cpu_graph_class(PrefillGraphs)(runner)
+        with torch.inference_mode():
+            g.capture()
+        replays = []
+        run = g.run
+
+        def counting_run(seqs, fix_inputs=None):
+            replays.append(sum(s.verify for s in seqs))
+            return run(seqs, fix_inputs)
+
+        g.run = counting_run
+        runner.prefill_graphs = g
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
+        assert sum(replays) > 10  # verification entries went through the graphs
+        _pools_empty(llm)

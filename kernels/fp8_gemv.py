@@ -108,8 +108,12 @@ if triton is not None:
 
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, block: Optional[tuple[int, int]] = None,
-                    out_dtype: Optional[torch.dtype] = None, block_n: int = 16, block_k: int = 128) -> torch.Tensor:
+                    out_dtype: Optional[torch.dtype] = None, block_n: int = 16, block_k: int = 128,
+                    num_warps: int = 4) -> torch.Tensor:
     """Triton version of `fp8_gemv_ref` for ``M <= FP8_GEMV_MAX_ROWS`` (same contract).
+
+    ``block_n`` / ``block_k`` / ``num_warps``: the launch (output columns per program, K tile,
+    warps); the defaults are the dispatcher's.
 
     Raises:
         ValueError: more rows than `FP8_GEMV_MAX_ROWS`, a weight that is not FP8 E4M3 ``[N, K]``
@@ -150,7 +154,7 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_gemv_kernel[grid](
         x, weight, scale, bias if bias is not None else scale, y, m, n, k, x.stride(0), weight.stride(0), stride_sn,
         y.stride(0), HAS_BIAS=bias is not None, BLOCKWISE=block is not None, SCALE_BN=sbn, SCALE_BK=sbk,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
     )  # fmt: skip
     return y
 

@@ -33,19 +33,21 @@ from typing import Optional, Sequence
 
 import torch
 
-from kvpilot.kernels.lora import lora_apply
+from kvpilot.kernels.lora import lora_apply, lora_tiles
 from kvpilot.lora.adapter import MODULE_PARTS, TARGETS, LoRAAdapter, Target
 from kvpilot.lora.config import LoraConfig
 
 
 class LoRAState:
     """What the projections read in one forward pass: ``active`` (some token has an adapter),
-    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints)."""
+    ``slot_index`` ``[T]`` int32 on the device, ``slots`` (the distinct slots of the step, host ints),
+    ``tiles`` (`kvpilot.kernels.lora.LoRATiles` for the Triton kernels; None on CPU)."""
 
     def __init__(self) -> None:
         self.active = False
         self.slot_index: Optional[torch.Tensor] = None
         self.slots: list[int] = []
+        self.tiles = None
 
 
 class LoRAProjection:
@@ -72,7 +74,7 @@ class LoRAProjection:
         st = self.state
         if not st.active:
             return out
-        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots)
+        return lora_apply(x, out, self.a, self.b, st.slot_index, st.slots, st.tiles)
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -198,6 +200,31 @@ class LoRASlots:
         self._slot_of: "OrderedDict[int, int]" = OrderedDict()  # lora_int_id -> slot, least recent first
         self._free = list(range(config.max_loras))
         self.loads = 0
+        if device.type == "cuda":
+            from kvpilot.kernels import triton_available
+
+            if triton_available():
+                self.warm_up()
+
+    def warm_up(self) -> int:
+        """Compile the Triton kernels for every projection shape now (one token through an empty
+        slot: nothing changes), so the first step with an adapter does not stall on compilation.
+        Returns the shapes compiled. Runs on CUDA at construction; on CPU only under
+        ``TRITON_INTERPRET=1`` (tests)."""
+        from kvpilot.kernels.lora import lora_apply_triton
+
+        seen = set()
+        tiles = lora_tiles([0], self.device)
+        slot = torch.zeros(1, dtype=torch.int32, device=self.device)
+        for p in self.projections.values():
+            key = (p.a.shape[1], p.a.shape[2], p.b.shape[1], p.a.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.zeros(1, p.a.shape[2], dtype=p.a.dtype, device=self.device)
+            out = torch.zeros(1, p.b.shape[1], dtype=p.a.dtype, device=self.device)
+            lora_apply_triton(x, out, p.a, p.b, slot, tiles=tiles)
+        return len(seen)
 
     def resident(self) -> list[int]:
         """Ids of the adapters in a slot, least recently used first."""
@@ -244,7 +271,7 @@ class LoRASlots:
         """
         st = self.state
         if not any(s.lora is not None for s in seqs):
-            st.active, st.slot_index, st.slots = False, None, []
+            st.active, st.slot_index, st.slots, st.tiles = False, None, [], None
             return False
         in_use = {s.lora.int_id for s in seqs if s.lora is not None}
         if len(in_use) > self.config.max_loras:
@@ -259,6 +286,7 @@ class LoRASlots:
         t = torch.tensor(index, dtype=torch.int32)
         st.slot_index = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
         st.slots = sorted(slots)
+        st.tiles = lora_tiles(index, self.device) if self.device.type == "cuda" else None
         st.active = True
         return True
 

@@ -65,3 +65,23 @@ def test_shape_mismatch_is_a_value_error():
     x, out, a, b, slot = _case(4, 16, 12, 2, 4)
     with pytest.raises(ValueError, match="inconsistent shapes"):
         KL.lora_apply_ref(x, out, a[:, :, :8], b, slot)
+
+
+def test_tiles_group_tokens_by_slot_in_order():
+    t = KL.lora_tiles([1, -1, 0, 1, 1, 0, -1, 1], torch.device("cpu"), block_m=2)
+    assert t.order.tolist() == [2, 5, 0, 3, 4, 7]
+    assert t.tiles.tolist() == [[0, 2, 0], [2, 2, 1], [4, 2, 1]]
+    none = KL.lora_tiles([-1, -1], torch.device("cpu"))
+    assert none.num_tiles == 0
+
+
+def test_triton_prefill_chunks_span_several_tiles():
+    """Two 20-token chunks of two adapters between decode tokens: tiles of 16 split each chunk."""
+    pytest.importorskip("triton")
+    x, out, a, b, _ = _case(45, 24, 36, 3, 8, seed=4)
+    slot = torch.tensor([2] * 20 + [-1, 0, 1] + [0] * 20 + [-1, 2], dtype=torch.int32)
+    tiles = KL.lora_tiles(slot.tolist(), x.device)
+    assert tiles.num_tiles == 5  # slots 0 and 2: 21 tokens each (2 tiles each), slot 1: one token
+    want = _per_token(x, out, a, b, slot)
+    got = KL.lora_apply_triton(x, out.clone(), a, b, slot, tiles=tiles)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)

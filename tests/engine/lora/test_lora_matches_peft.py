@@ -220,3 +220,102 @@ def test_tensor_parallel_adapters_match_peft(setup):
     for p, adapter, (toks, lps) in zip(prompts, (a, b, None), got):
         ref = _peft_logprobs(base, adapter, p + toks)[-5:]
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)
+
+
+def test_engine_with_the_triton_kernels_matches_the_reference(setup, monkeypatch):
+    """The engine's projections through the Triton shrink/expand kernels (TRITON_INTERPRET=1 on
+    CPU) give the tokens and log-probabilities of the PyTorch reference, in a mixed batch."""
+    pytest.importorskip("triton")
+    from kvpilot.kernels import lora as KL
+    from kvpilot.lora import layers as LL
+
+    d, base, a, b, llm = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    prompts, loras = [PROMPTS[1], PROMPTS[1], [1, 5, 9]], [ra, None, rb]
+    want = _greedy(llm, prompts, loras, n=2)
+    calls = []
+
+    def triton_apply(x, out, a_, b_, slot, slots=None, tiles=None):
+        calls.append(x.shape[0])
+        return KL.lora_apply_triton(x, out, a_, b_, slot, tiles=tiles)
+
+    monkeypatch.setattr(LL, "lora_apply", triton_apply)
+    got = _greedy(llm, prompts, loras, n=2)
+    assert calls
+    for (gt, gl), (wt, wl) in zip(got, want):
+        assert gt == wt
+        torch.testing.assert_close(torch.tensor(gl), torch.tensor(wl), rtol=0, atol=1e-5)
+
+
+def test_adapters_on_fp8_base_weights_match_peft(setup):
+    """On-the-fly FP8 base weights (``QuantConfig(quant_algo="FP8")``: per-channel weight scales,
+    inputs rounded per token) with an adapter: the adapter's update reads the unrounded input, as
+    peft's LoRA layer does around the FP8-dequantized linear layers of transformers."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from kvpilot.llmapi import QuantConfig
+
+    d, base, a, b, _ = setup
+    fp8_max = 448.0
+    ref = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, m in ref.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                w = m.weight.float()
+                s = (w.abs().amax(dim=1, keepdim=True) / fp8_max).clamp(min=1e-12)
+                m.weight.copy_((w / s).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * s)
+
+                def hook(mod, args):
+                    x = args[0].float()
+                    sx = (x.abs().amax(dim=-1, keepdim=True) / fp8_max).clamp(min=1e-12)
+                    return ((x / sx).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * sx,)
+                m.register_forward_pre_hook(hook)
+    ref = PeftModel.from_pretrained(ref, str(a)).eval()
+    prompt = PROMPTS[0]
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32",
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=256),
+             quant_config=QuantConfig(quant_algo="FP8"), lora_config=LoraConfig(max_lora_rank=8)) as fp8:
+        assert fp8._executor.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        out = fp8.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=0), lora_request=_req(d, "a", 1))
+    got = [next(iter(e.values())).logprob for e in out.prompt_logprobs[1:]]
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+    want = [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)
+
+
+def test_ngram_speculation_keeps_each_adapters_greedy_tokens(setup):
+    """Drafts are verified by the target model with each request's adapter: greedy tokens with
+    n-gram speculation equal those without, in a mixed batch."""
+    from kvpilot.llmapi import NGramDecodingConfig
+
+    d, base, a, b, llm = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 9, 9, 9]]
+    loras = [ra, rb, None]
+    want = _greedy(llm, prompts, loras, n=6)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", max_batch_size=8,
+             max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8),
+             speculative_config=NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2)) as spec:
+        got = _greedy(spec, prompts, loras, n=6)
+        drafted = spec._core.spec.totals.num_draft_tokens
+    assert drafted > 0
+    assert [g[0] for g in got] == [w[0] for w in want]
+
+
+@pytest.mark.slow  # two worker processes: ~30 s on two cores
+def test_pipeline_parallel_adapters_match_peft(setup):
+    """PP 2 on CPU (gloo): each stage applies its layers' share of every adapter; micro-batches with
+    adapters run eagerly on every stage."""
+    d, base, a, b, _ = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", pipeline_parallel_size=2,
+             max_batch_size=8, max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8)) as pp:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+        got = _greedy(pp, prompts, [ra, rb, None, ra], n=5)
+    for p, adapter, (toks, lps) in zip(prompts, (a, b, None, a), got):
+        ref = _peft_logprobs(base, adapter, p + toks)[-5:]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)

@@ -203,3 +203,37 @@ def test_verification_replays_prefill_graphs(stories_model_dir, baseline):
         assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
         assert sum(replays) > 10  # verification entries went through the graphs
         _pools_empty(llm)
+
+
+def test_streaming_parallel_sampling_and_abort_mid_speculation(self_draft_llm, baseline):
+    import asyncio
+
+    want = baseline[0][0].outputs[0]
+
+    async def stream():
+        chunks = []
+        async for c in self_draft_llm.generate_async(PROMPTS[0], GREEDY, streaming=True):
+            chunks.append((c.outputs[0].text_diff, list(c.outputs[0].token_ids_diff)))
+        return chunks
+
+    chunks = asyncio.run(stream())
+    assert "".join(text for text, _ in chunks) == want.text
+    assert [t for _, ids in chunks for t in ids] == want.token_ids
+    # n = 3 sampled choices, each a speculating sequence of its own
+    out = self_draft_llm.generate(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7))
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 16 for c in out.outputs)
+    # an abort while its request speculates frees both pools
+    import time
+
+    spec = self_draft_llm._core.spec
+    before = spec.totals.num_drafts
+    fut = self_draft_llm.generate_async(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while spec.totals.num_drafts == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert spec.totals.num_drafts > before and not fut.finished
+    self_draft_llm.abort(fut.request_id)
+    with pytest.raises(Exception):
+        fut.result(timeout=60)
+    self_draft_llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4))  # a step after the abort
+    _pools_empty(self_draft_llm)

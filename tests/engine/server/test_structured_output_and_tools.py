@@ -163,3 +163,19 @@ def test_reasoning_content_split_whole_and_streamed(reasoning_client):
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert (reasoning, content) == (msg.reasoning_content, msg.content)
+
+
+def test_constraint_waits_for_the_end_of_reasoning():
+    from types import SimpleNamespace
+
+    from kvpilot import SamplingParams
+    from kvpilot.server.protocol import ChatCompletionRequest
+    from kvpilot.server.serving_chat import ReplyPlan
+
+    body = {"messages": MSG, "tools": [WEATHER], "tool_choice": "required"}
+    for parser, kwargs, waits in (("deepseek_r1", None, True), ("qwen3", None, True),
+                                  ("qwen3", {"enable_thinking": False}, False), (None, None, False)):
+        req = ChatCompletionRequest.model_validate({**body, "chat_template_kwargs": kwargs})
+        state = SimpleNamespace(reasoning_parser=parser, tool_call_parser=None)
+        params = ReplyPlan.of(state, req).adjust(SamplingParams(), req)
+        assert params.guided_decoding.start_after == ("</think>" if waits else None)

@@ -262,8 +262,6 @@ def preflight(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
         _lora_config(args)  # bad counts are one line now
-        if args.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported with pipeline parallelism (--pipeline-parallel-size 1)")
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -332,8 +330,9 @@ def run(args: argparse.Namespace) -> int:
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
         kwargs = _engine_kwargs(args)
-        kwargs.pop("lora_config", None)  # (a multi-node group is pipeline parallel: the leader refuses LoRA)
-        return run_lws_worker(args.model, group=group, **kwargs)
+        # The leader's front end checks adapters; every rank reads them from the plan's requests.
+        lora = kwargs.pop("lora_config", None)
+        return run_lws_worker(args.model, group=group, lora_config=lora, **kwargs)
     try:
         template = load_chat_template(args.chat_template)
         preflight(args)

@@ -303,3 +303,19 @@ def test_ngram_speculation_keeps_each_adapters_greedy_tokens(setup):
         drafted = spec._core.spec.totals.num_draft_tokens
     assert drafted > 0
     assert [g[0] for g in got] == [w[0] for w in want]
+
+
+@pytest.mark.slow  # two worker processes: ~30 s on two cores
+def test_pipeline_parallel_adapters_match_peft(setup):
+    """PP 2 on CPU (gloo): each stage applies its layers' share of every adapter; micro-batches with
+    adapters run eagerly on every stage."""
+    d, base, a, b, _ = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", pipeline_parallel_size=2,
+             max_batch_size=8, max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8)) as pp:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+        got = _greedy(pp, prompts, [ra, rb, None, ra], n=5)
+    for p, adapter, (toks, lps) in zip(prompts, (a, b, None, a), got):
+        ref = _peft_logprobs(base, adapter, p + toks)[-5:]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)

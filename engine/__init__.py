@@ -16,6 +16,7 @@ _EXPORTS = {
     "LLM": "llm", "EngineDeadError": "outputs",
     "SamplingParams": "sampling_params", "GuidedDecodingParams": "sampling_params",
     "KvCacheConfig": "config", "MoeConfig": "config", "QuantConfig": "config", "QuantAlgo": "config",
+    "NGramDecodingConfig": "spec_decode.config", "DraftTargetDecodingConfig": "spec_decode.config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
     "RequestError": "outputs", "RequestAborted": "outputs", "RequestTooLargeError": "outputs",
 }

@@ -61,9 +61,13 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        speculative_config: `NGramDecodingConfig` or `DraftTargetDecodingConfig` (TensorRT-LLM's
+            classes, `kvpilot.llmapi`), a dict or JSON text of one (`parse_speculative_config`), or
+            None (no speculation). One GPU only (tensor and pipeline parallel size 1);
+            docs/speculative_decoding.md.
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
             pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
-            parallelism; pipeline parallelism is not supported.
+            parallelism; each pipeline stage holds its layers' share.
         moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
         moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
             ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
@@ -85,9 +89,8 @@ class LLM:
             cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
-            positions included); an unsupported architecture; ``lora_config`` with tensor or
-            pipeline parallelism (``pipeline_parallel_size`` > 1), or an adapter of ``lora_config.lora_dir`` that does not fit the model
-            (`kvpilot.lora.adapter.LoRAAdapterError`).
+            positions included); an unsupported architecture; an adapter of
+            ``lora_config.lora_dir`` that does not fit the model (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
@@ -102,7 +105,8 @@ class LLM:
                  lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
                  moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
                  guided_decoding_backend: Optional[str] = "xgrammar",
-                 quant_config: Optional[QuantConfig] = None) -> None:
+                 quant_config: Optional[QuantConfig] = None,
+                 speculative_config=None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -110,14 +114,17 @@ class LLM:
                             ("max_batch_size", max_batch_size), ("max_num_tokens", max_num_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        from kvpilot.spec_decode import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(speculative_config)
+        if self.speculative_config is not None and tensor_parallel_size * pipeline_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                             "(speculative decoding runs on one GPU)")
         if lora_config is not None:
             from kvpilot.lora.config import LoraConfig
 
             if not isinstance(lora_config, LoraConfig):
                 raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
-            if pipeline_parallel_size > 1:
-                raise ValueError("lora_config is not supported with pipeline parallelism "
-                                 "(pipeline_parallel_size must be 1)")
         self.lora_config = lora_config
         if moe_config is not None and not isinstance(moe_config, MoeConfig):
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
@@ -169,6 +176,12 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
+        spec = None
+        if self.speculative_config is not None:
+            from kvpilot.spec_decode import build_speculative_decoder
+
+            spec = build_speculative_decoder(self.speculative_config, self._executor, max_num_tokens,
+                                             max_batch_size, self.max_seq_len, dtype)
         self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
         if lora_config is not None:
             self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
@@ -176,7 +189,8 @@ class LLM:
                 self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
-                                max_loras=lora_config.max_loras if lora_config is not None else 0)
+                                max_loras=lora_config.max_loras if lora_config is not None else 0,
+                                speculative=spec)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)
@@ -269,7 +283,8 @@ class LLM:
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
             if compiled is not None:
                 req.seqs[-1].guide = self._guided.guide(
-                    compiled, [params.end_id] if params.end_id is not None else None)
+                    compiled, [params.end_id] if params.end_id is not None else None,
+                    params.guided_decoding.start_after)
         return req
 
     def guided_backend(self) -> GuidedDecodingBackend:

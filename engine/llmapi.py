@@ -9,7 +9,8 @@ from kvpilot.llm import LLM
 from kvpilot.lora.config import LoraConfig
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.sampling_params import GuidedDecodingParams, SamplingParams
+from kvpilot.spec_decode.config import DraftTargetDecodingConfig, NGramDecodingConfig
 
-__all__ = ["CompletionOutput", "GuidedDecodingParams", "KvCacheConfig", "LLM", "LoraConfig", "MoeConfig",
-           "QuantAlgo", "QuantConfig",
+__all__ = ["CompletionOutput", "DraftTargetDecodingConfig", "GuidedDecodingParams", "KvCacheConfig", "LLM",
+           "LoraConfig", "MoeConfig", "NGramDecodingConfig", "QuantAlgo", "QuantConfig",
            "RequestOutput", "SamplingParams"]

@@ -191,6 +191,8 @@ class EngineCore:
             reads ``KVPILOT_ASYNC_SCHEDULING`` (default: on when the executor's ``device`` is CUDA).
             Takes effect only with an executor that has ``supports_async_scheduling``. May be
             changed between steps.
+        speculative: a `kvpilot.spec_decode.decoder.SpeculativeDecoder`, or None (no speculation).
+            With it, steps run in the synchronous order (no async scheduling).
         max_loras: LoRA adapters the executor holds at once (its device slots); 0 without LoRA. Each
             planned sequence then carries its request's adapter (``ScheduledSeq.lora``).
 
@@ -201,9 +203,11 @@ class EngineCore:
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
                  async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None,
-                 max_loras: int = 0) -> None:
+                 max_loras: int = 0, speculative=None) -> None:
         self.executor = executor
         self.max_loras = max_loras
+        # Speculative decoding (`kvpilot.spec_decode.decoder.SpeculativeDecoder`) or None.
+        self.spec = speculative
         self.async_output = async_output_enabled() if async_output is None else async_output
         if async_scheduling is None:
             dev = getattr(executor, "device", None)
@@ -342,6 +346,9 @@ class EngineCore:
 
     def _finish_request(self, req: Request, deltas: list[SequenceDelta], error=None) -> None:
         self.requests.pop(req.request_id, None)
+        if self.spec is not None:
+            for seq in req.seqs:
+                self.spec.release(seq)
         self._beam_requests.discard(req.request_id)
         self._gen_logits_requests.discard(req.request_id)
         self._not_argmax_only.discard(req.request_id)
@@ -372,6 +379,8 @@ class EngineCore:
         if prev is not None and not self._overlap_ok():  # switched off since it was launched
             num_generated += self._resolve_inflight()[0]
             prev, settled = None, True
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts the schedule counts
         sched = self.scheduler.schedule(preempt=prev is None)
         if sched is None:
             # A running sequence's next token does not fit: read the in-flight tokens first (they
@@ -421,6 +430,8 @@ class EngineCore:
             elif seq.inflight_row >= 0:  # its input is last step's sampled token, still on the device
                 plan.append(ScheduledSeq(seq.seq_id, _PLACEHOLDER, start, seq.block_table, True, False,
                                          seq.inflight_row))
+            elif seq.spec_token_ids and (sp := self.spec.plan(seq, start, n)) is not None:
+                plan.append(sp)  # its last token and drafts, logits at every position
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
@@ -470,6 +481,7 @@ class EngineCore:
         row = 0
         kv = self.kv
         reuse, B = kv.enable_block_reuse, kv.block_size
+        spec_items = []  # (sequence, plan entry, first logits row) of sequences verifying drafts
         for (seq, n), p in zip(sched.scheduled, plan):
             first = row
             if p.all_logits:
@@ -482,6 +494,9 @@ class EngineCore:
                 # Its input was -1 on the device (the sampler drew that token again on the host):
                 # what this step computed for it is dropped, and the next step computes that
                 # position again from the real token (its KV slot is simply overwritten).
+                continue
+            if p.all_logits and p.start_pos + n > len(seq.token_ids):  # drafts: `SpeculativeDecoder.verify`
+                spec_items.append((seq, p, first))
                 continue
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
@@ -550,6 +565,8 @@ class EngineCore:
             self.executor.publish_tokens(None)  # nothing sampled in this step
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
+        if spec_items:
+            num_generated += self.spec.verify(self, spec_items, logits)
         if sampled:
             self._settle(sampled, any_done)
         return self._stats(t0, sched, num_prompt_tokens, num_generated + len(sampled), num_context)
@@ -593,7 +610,8 @@ class EngineCore:
         (``async_scheduling``), an executor with ``supports_async_scheduling``, and a sampler call
         whose tokens are a device tensor (``handle.tokens``) and that can be made independent of
         later device work (``handle.detach()``, see `Sampler.launch`'s `_Pending`)."""
-        return (self.async_scheduling and getattr(self.executor, "supports_async_scheduling", False)
+        return (self.async_scheduling and self.spec is None
+                and getattr(self.executor, "supports_async_scheduling", False)
                 and (handle is None or (getattr(handle, "tokens", None) is not None
                                         and getattr(handle, "detach", None) is not None)))
 
@@ -979,7 +997,8 @@ class EngineCore:
             num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
-            gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+            gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished,
+            spec_decode=self.spec.take_stats() if self.spec is not None else None)
 
 
 def _adapter_names(seqs) -> list[str]:

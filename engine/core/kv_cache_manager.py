@@ -229,6 +229,24 @@ class KVCacheManager:
             parent = h
         seq.num_cached_blocks = num_full
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s blocks past the first ``blocks_needed(num_tokens)`` (speculative decoding:
+        slots of rejected drafts). The released blocks hold no computed full block, so they carry no
+        prefix-cache hash; ``seq.block_table`` becomes a new list (the runner's mirror rewrites it)."""
+        keep = self.blocks_needed(num_tokens)
+        table = seq.block_table
+        if len(table) <= keep:
+            return
+        for bid in reversed(table[keep:]):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[bid] = None
+                if block.block_hash is None:
+                    block.token_ids = ()
+                    self.free_blocks.move_to_end(bid, last=False)
+        seq.block_table = table[:keep]
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first, so a prefix's tail is evicted before its head); its
         wait for blocks shared with another sequence (``Sequence.shared_prefix``) ends with them."""

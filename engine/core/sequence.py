@@ -67,6 +67,9 @@ class Sequence:
     # ``token_ids`` yet): the row of the in-flight step's sampled-id tensor that holds it. The
     # scheduler counts it as a token to compute; the engine resets it when it reads the step.
     inflight_row: int = -1
+    # Speculative decoding: this step's drafted tokens (after ``token_ids``; not part of them until
+    # verified). The scheduler counts them as tokens to compute (`kvpilot.spec_decode.decoder`).
+    spec_token_ids: tuple | list = ()
     # Structured output: the grammar state (`kvpilot.sampling.guided.Guide`), advanced by every
     # appended token; None without ``guided_decoding``.
     guide: Optional[object] = None

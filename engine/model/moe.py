@@ -12,7 +12,8 @@ Weights: each projection of all experts is one tensor, stacked at load from the 
 per-expert tensors: ``w13`` ``[E, 2 * I / tp, H]`` (gate rows then up rows per expert) and ``w2``
 ``[E, H, I / tp]``. `load_checkpoint_tensor` takes the names under ``mlp.`` as Qwen's checkpoints
 spell them (``gate.weight``, ``experts.N.{gate,up,down}_proj.weight``, ``shared_expert.*``,
-``shared_expert_gate.weight``); Mixtral's spec renames its ``block_sparse_moe.experts.N.w1/w3/w2``
+``shared_expert_gate.weight``; also transformers 5's stacked ``experts.gate_up_proj`` ``[E, 2I, H]``
+and ``experts.down_proj`` ``[E, H, I]``); Mixtral's spec renames its ``block_sparse_moe.experts.N.w1/w3/w2``
 to those first (`kvpilot.model.mixtral`).
 
 Parallelism (TensorRT-LLM's layout: ``tensor_parallel_size = moe_tensor_parallel_size *
@@ -140,6 +141,18 @@ class SparseMoeBlock(nn.Module):
             else:
                 put("w13", tensor[lo:hi], (e, slice(proj * inter, (proj + 1) * inter)))
             self._loaded.add((e, proj))
+        elif name in ("experts.gate_up_proj", "experts.down_proj"):  # transformers 5's stacked layout
+            if tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)[0] != self.num_experts:
+                raise ValueError(f"checkpoint tensor mlp.{name}: first dimension is not num_experts={self.num_experts}")
+            first, last = self.first_expert, self.first_expert + self.local_experts
+            if name == "experts.down_proj":
+                put("w2", tensor[first:last, :, lo:hi])
+            else:
+                full = self.inter * (self.pc.tp_size // self.ep_size)
+                put("w13", tensor[first:last, lo:hi], (slice(None), slice(0, inter)))
+                put("w13", tensor[first:last, full + lo:full + hi], (slice(None), slice(inter, 2 * inter)))
+            proj = (2,) if name == "experts.down_proj" else (0, 1)
+            self._loaded.update((e, p) for e in range(self.local_experts) for p in proj)
         elif len(parts) == 3 and parts[0] == "shared_expert" and self.shared_expert is not None and parts[2] == "weight":
             r = self.pc.tp_rank
             shared = self.shared_expert.down_proj.input_size

@@ -21,6 +21,8 @@ from kvpilot.config import KV_CACHE_DTYPES
 from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
+from kvpilot.server.reasoning import REASONING_PARSERS
+from kvpilot.server.tool_parsers import TOOL_PARSERS
 from kvpilot.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                              "bfloat16, float16, float32")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as a JSON object: {"decoding_type": "NGram", "max_draft_len": 4, '
+                             '"max_matching_ngram_size": 4} or {"decoding_type": "DraftTarget", "max_draft_len": 4, '
+                             '"speculative_model": DIR_OR_HUB_ID} (default: none, no speculation; '
+                             'docs/speculative_decoding.md)')
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
@@ -91,6 +98,26 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (default 16)")
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="LoRA adapters kept in host memory (default: max(--max-loras, adapters listed))")
+    parser.add_argument("--moe-backend", default="TRITON", type=str.upper, choices=["TRITON", "TORCH"],
+                        help="mixture-of-experts kernels: TRITON (fused, default) or TORCH (the PyTorch "
+                             "reference); MoeConfig(backend=...) (docs/models.md)")
+    parser.add_argument("--moe-expert-parallel-size", type=int, default=None,
+                        help="MoE models: expert groups the tensor-parallel ranks form (must divide "
+                             "--tensor-parallel-size and the expert count; default 1)")
+    parser.add_argument("--moe-tensor-parallel-size", type=int, default=None,
+                        help="MoE models: ways each expert is split (default: --tensor-parallel-size / "
+                             "--moe-expert-parallel-size)")
+    parser.add_argument("--guided-decoding-backend", choices=["xgrammar", "none"], default="xgrammar",
+                        help="grammar engine for response_format / guided_* / forced tool calls; 'none' refuses "
+                             "them (default xgrammar; docs/structured_output.md)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                        help="parse the model's tool calls into tool_calls under tool_choice 'auto' "
+                             "(docs/tool_calling.md); default none: 'auto' replies are text")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility: --tool-call-parser alone enables parsing (default off)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split <think>...</think> reasoning into reasoning_content (docs/tool_calling.md); "
+                             "default none")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's own log level: debug, info, warning, error")
 
@@ -180,6 +207,12 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     extra = {"lora_config": lora} if lora is not None else {}
     if getattr(args, "quantization", None) == "fp8":
         extra["quant_config"] = QuantConfig(quant_algo="FP8")
+    from kvpilot.config import MoeConfig
+
+    extra["moe_config"] = MoeConfig(backend=getattr(args, "moe_backend", "TRITON"))
+    for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
     return dict(**extra, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
@@ -190,8 +223,11 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
     from kvpilot import LLM
 
+    backend = getattr(args, "guided_decoding_backend", "xgrammar")
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
-               trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
+               trust_remote_code=args.trust_remote_code, speculative_config=args.speculative_config,
+               guided_decoding_backend=None if backend == "none" else backend,
+               **_engine_kwargs(args))
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -201,7 +237,8 @@ def preflight(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
             and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
-        ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len``,
+            ``--speculative-config`` or MoE layout (`kvpilot.config.check_moe_parallelism`).
     """
     from pathlib import Path
 
@@ -210,12 +247,21 @@ def preflight(args: argparse.Namespace) -> None:
     from kvpilot.runner.model_runner import check_device
 
     check_device(args.device)
+    from kvpilot.config import check_moe_parallelism
+
+    check_moe_parallelism(args.tensor_parallel_size, getattr(args, "moe_expert_parallel_size", None),
+                          getattr(args, "moe_tensor_parallel_size", None))
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from kvpilot.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(speculative)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1")
     if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
         _lora_config(args)  # bad counts are one line now
-        if args.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported with pipeline parallelism (--pipeline-parallel-size 1)")
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -284,8 +330,9 @@ def run(args: argparse.Namespace) -> int:
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
         kwargs = _engine_kwargs(args)
-        kwargs.pop("lora_config", None)  # (a multi-node group is pipeline parallel: the leader refuses LoRA)
-        return run_lws_worker(args.model, group=group, **kwargs)
+        # The leader's front end checks adapters; every rank reads them from the plan's requests.
+        lora = kwargs.pop("lora_config", None)
+        return run_lws_worker(args.model, group=group, lora_config=lora, **kwargs)
     try:
         template = load_chat_template(args.chat_template)
         preflight(args)
@@ -298,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc.strerror or exc)
         return 1
     state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
-                        chat_template=template, api_key=args.api_key or None, lora_enabled=args.enable_lora)
+                        chat_template=template, api_key=args.api_key or None, lora_enabled=args.enable_lora,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     for name, path in args.lora_modules:
         state.add_lora(name, path)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)

@@ -129,6 +129,12 @@ class PrometheusStatLogger:
                             buckets=PARAMS_N_BUCKETS)
         self.params_max_tokens = fam(Histogram, "request_params_max_tokens",
                                      "Histogram of the max_tokens request parameter.", buckets=token_buckets)
+        # Speculative decoding (vLLM's spec_decode counters; docs/speculative_decoding.md).
+        self.spec_drafts = fam(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = fam(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = fam(Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_pos = fam(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", extra=("position",))
         self.lora_info = fam(Gauge, "lora_requests_info", "Running stats on lora requests.",
                              extra=("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
                              multiprocess_mode="mostrecent")
@@ -171,6 +177,15 @@ class PrometheusStatLogger:
             _observe(self.iteration_tokens, [step_tokens])
         _observe(self.ttft, stats.ttft)
         _observe(self.itl, stats.inter_token_latencies)
+        spec = stats.spec_decode
+        if spec is not None:
+            for family, value in ((self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
+                                  (self.spec_accepted, spec.num_accepted_tokens)):
+                for c in family.children():
+                    c.inc(value)
+            for pos, value in enumerate(spec.accepted_per_pos):
+                for c in self.spec_accepted_pos.children(str(pos)):
+                    c.inc(value)
         for req in stats.finished:
             for c in self.success.children(req.finish_reason):
                 c.inc()

@@ -79,3 +79,23 @@ def test_llm_moe_backend_reaches_the_blocks_and_both_backends_agree(qwen3_moe):
             assert len(blocks) == 1 and blocks[0].backend == backend
             tokens[backend] = llm.generate([[1, 5, 9, 13]], params, use_tqdm=False)[0].outputs[0].token_ids
     assert len(tokens["TORCH"]) == 8 and tokens["TORCH"] == tokens["TRITON"]
+
+
+def test_serve_flags_become_the_llm_arguments():
+    import argparse
+
+    from kvpilot.server.cli import _engine_kwargs, configure_parser, preflight
+
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    kw = _engine_kwargs(parser.parse_args(["some/model", "--moe-backend", "torch", "--tensor-parallel-size", "4",
+                                           "--moe-expert-parallel-size", "2"]))
+    assert kw["moe_config"].backend == "TORCH" and kw["moe_expert_parallel_size"] == 2
+    assert "moe_tensor_parallel_size" not in kw
+    assert _engine_kwargs(parser.parse_args(["some/model"]))["moe_config"].backend == "TRITON"
+    with pytest.raises(SystemExit):  # argparse's usage error names the choices
+        parser.parse_args(["some/model", "--moe-backend", "CUTLASS"])
+    bad = parser.parse_args(["some/model", "--device", "cpu", "--tensor-parallel-size", "2",
+                             "--moe-expert-parallel-size", "4"])
+    with pytest.raises(ValueError, match="moe_expert_parallel_size=4 must divide tensor_parallel_size=2"):
+        preflight(bad)

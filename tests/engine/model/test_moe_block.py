@@ -118,3 +118,18 @@ def test_missing_expert_and_bad_layouts_are_named():
         SparseMoeBlock(H, I, E, 2, False, ParallelContext(), backend="CUTLASS")
     block = SparseMoeBlock(H, I, E, 2, False, ParallelContext())
     assert not block.load_checkpoint_tensor("experts.0.w9.weight", None, None)
+
+
+@torch.no_grad()
+def test_stacked_checkpoint_layout_loads_like_per_expert_tensors():
+    """transformers 5 names the experts ``experts.gate_up_proj`` [E, 2I, H] / ``experts.down_proj``
+    [E, H, I]; rank 1 of TP 2 with EP 2 reads the same values from either layout."""
+    t = _checkpoint(6)
+    stacked = {k: v for k, v in t.items() if not k.startswith("experts.")}
+    stacked["experts.gate_up_proj"] = torch.stack(
+        [torch.cat([t[f"experts.{e}.gate_proj.weight"], t[f"experts.{e}.up_proj.weight"]]) for e in range(E)])
+    stacked["experts.down_proj"] = torch.stack([t[f"experts.{e}.down_proj.weight"] for e in range(E)])
+    for tp, ep in ((1, 1), (2, 1), (2, 2)):
+        pc = ParallelContext(tp_rank=1 if tp > 1 else 0, tp_size=tp)
+        a, b = _block(t, pc, ep=ep), _block(stacked, pc, ep=ep)
+        assert torch.equal(a.w13, b.w13) and torch.equal(a.w2, b.w2)

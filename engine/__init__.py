@@ -2,7 +2,7 @@
 
 Public API (TensorRT-LLM's LLM API)::
 
-    from kvpilot import LLM, SamplingParams, KvCacheConfig, RequestOutput, CompletionOutput
+    from kvpilot import LLM, SamplingParams, KvCacheConfig, MoeConfig, RequestOutput, CompletionOutput
 
 Names are resolved lazily (PEP 562), so ``kvpilot.operator`` and ``kvpilot render`` do not import
 torch.
@@ -14,8 +14,9 @@ import importlib
 
 _EXPORTS = {
     "LLM": "llm", "EngineDeadError": "outputs",
-    "SamplingParams": "sampling_params",
-    "KvCacheConfig": "config",
+    "SamplingParams": "sampling_params", "GuidedDecodingParams": "sampling_params",
+    "KvCacheConfig": "config", "MoeConfig": "config", "QuantConfig": "config", "QuantAlgo": "config",
+    "NGramDecodingConfig": "spec_decode.config", "DraftTargetDecodingConfig": "spec_decode.config",
     "RequestOutput": "outputs", "CompletionOutput": "outputs", "Logprob": "outputs",
     "RequestError": "outputs", "RequestAborted": "outputs", "RequestTooLargeError": "outputs",
 }

@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq, Union
 
-from kvpilot.config import KvCacheConfig
+from kvpilot.config import KvCacheConfig, MoeConfig, QuantConfig, check_moe_parallelism
 
 from kvpilot.model.config import GenerationDefaults, ModelConfig
 from kvpilot.model.hub import resolve_model
@@ -24,6 +24,7 @@ from kvpilot.core.engine_core import EngineCore
 from kvpilot.core.engine_loop import EngineLoop
 from kvpilot.outputs import EngineDeadError, RequestOutput  # noqa: F401  (EngineDeadError: public here too)
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling.guided import BACKENDS as GUIDED_BACKENDS, GuidedDecodingBackend, GuidedDecodingError
 from kvpilot.core.sequence import Request, Sequence
 from kvpilot.core.stats import IterationStats
 from kvpilot.text import check_text
@@ -60,6 +61,24 @@ class LLM:
         dtype: "auto" (bfloat16/float16 from the checkpoint on GPU, float32 on CPU) or a dtype name.
         allow_long_max_seq_len: accept ``max_seq_len`` beyond the model's ``max_position_embeddings``
             (positions the model was not trained on; its output there is usually poor).
+        speculative_config: `NGramDecodingConfig` or `DraftTargetDecodingConfig` (TensorRT-LLM's
+            classes, `kvpilot.llmapi`), a dict or JSON text of one (`parse_speculative_config`), or
+            None (no speculation). One GPU only (tensor and pipeline parallel size 1);
+            docs/speculative_decoding.md.
+        lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
+            pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
+            parallelism; each pipeline stage holds its layers' share.
+        moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
+        moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
+            ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
+            ``tensor_parallel_size``, `kvpilot.config.check_moe_parallelism`): experts partitioned
+            over ``moe_expert_parallel_size`` groups, each expert split ``moe_tensor_parallel_size``
+            ways (docs/models.md). Default: every expert split over all ranks.
+        guided_decoding_backend: the grammar engine of ``SamplingParams.guided_decoding``
+            (docs/structured_output.md): "xgrammar" (default), or None to refuse guided requests.
+        quant_config: `QuantConfig`: FP8 weights quantized at load (``quant_algo="FP8"``) and the
+            FP8 KV cache (``kv_cache_quant_algo="FP8"``). Pre-quantized FP8 checkpoints (ModelOpt,
+            compressed-tensors, block-wise ``fp8``) load without it (docs/quantization.md).
         tuning: the engine's performance switches (`kvpilot.tuning.Tuning`), for benchmarks and
             tests; default: the measured winners, overridden by ``KVPILOT_TUNING`` when that is set.
 
@@ -72,7 +91,8 @@ class LLM:
             cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
-            positions included); an unsupported architecture.
+            positions included); an unsupported architecture; an adapter of
+            ``lora_config.lora_dir`` that does not fit the model (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
@@ -84,7 +104,11 @@ class LLM:
                  kv_cache_config: Optional[KvCacheConfig] = None, trust_remote_code: bool = False,
                  skip_tokenizer_init: bool = False, device: str = "auto", dtype: str = "auto",
                  allow_long_max_seq_len: bool = False, revision: Optional[str] = None,
-                 tuning: Optional[Tuning] = None) -> None:
+                 lora_config: Optional[Any] = None, moe_config: Optional[MoeConfig] = None,
+                 moe_expert_parallel_size: Optional[int] = None, moe_tensor_parallel_size: Optional[int] = None,
+                 guided_decoding_backend: Optional[str] = "xgrammar",
+                 quant_config: Optional[QuantConfig] = None,
+                 speculative_config=None, tuning: Optional[Tuning] = None) -> None:
         if backend != "pytorch":
             raise ValueError(f"backend must be 'pytorch' (the only one kvpilot has), got {backend!r}")
         for name, value in (("tensor_parallel_size", tensor_parallel_size),
@@ -97,11 +121,46 @@ class LLM:
         self.tuning = tuning = tuning if tuning is not None else Tuning.from_env()
         if tuning.overrides():
             logger.info("tuning overrides: %s", tuning.overrides())
+        from kvpilot.spec_decode import parse_speculative_config
+
+        self.speculative_config = parse_speculative_config(speculative_config)
+        if self.speculative_config is not None and tensor_parallel_size * pipeline_parallel_size > 1:
+            raise ValueError("speculative_config needs tensor_parallel_size=1 and pipeline_parallel_size=1 "
+                             "(speculative decoding runs on one GPU)")
+        if lora_config is not None:
+            from kvpilot.lora.config import LoraConfig
+
+            if not isinstance(lora_config, LoraConfig):
+                raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
+        self.lora_config = lora_config
+        if moe_config is not None and not isinstance(moe_config, MoeConfig):
+            raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
+        moe_ep = check_moe_parallelism(tensor_parallel_size, moe_expert_parallel_size, moe_tensor_parallel_size)
+        self.moe_config = moe_config or MoeConfig()
+        if guided_decoding_backend is not None and guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ValueError(f"guided_decoding_backend must be one of {', '.join(GUIDED_BACKENDS)} or None, "
+                             f"got {guided_decoding_backend!r}")
+        self.guided_decoding_backend = guided_decoding_backend
+        self._guided: Optional[GuidedDecodingBackend] = None  # built at the first guided request
+        self._guided_lock = threading.Lock()
         model_dir = resolve_model(str(model), revision)
         self.model_dir = model_dir
         self.revision = revision
         self.kv_cache_config = kv_cache_config or KvCacheConfig()
+        if quant_config is not None and not isinstance(quant_config, QuantConfig):
+            raise TypeError(f"quant_config must be a kvpilot.llmapi.QuantConfig, got {type(quant_config).__name__}")
+        self.quant_config = quant_config or QuantConfig()
+        kv_dtype = self.quant_config.kv_cache_dtype(self.kv_cache_config)
+        if kv_dtype != self.kv_cache_config.dtype:
+            self.kv_cache_config = dataclasses.replace(self.kv_cache_config, dtype=kv_dtype)
         self.model_config = ModelConfig.from_dir(model_dir, trust_remote_code=trust_remote_code)
+        self.model_config.moe_backend = self.moe_config.backend
+        self.model_config.moe_expert_parallel_size = moe_ep
+        from kvpilot.model.moe import check_moe_layout
+
+        check_moe_layout(self.model_config, tensor_parallel_size)  # before any worker starts
+        if self.quant_config.quant_algo:
+            self.model_config.quantization = self.quant_config.to_dict()
         self.generation_defaults = GenerationDefaults.from_dir(model_dir)
         logger.info("%s (%s): sampling defaults from generation_config.json: %s", model,
                     self.model_config.architecture, self.generation_defaults.describe())
@@ -124,9 +183,21 @@ class LLM:
             eos.append(self.tokenizer.eos_token_id)
         self.eos_token_ids = list(dict.fromkeys(eos))
         self._executor = _make_executor(self, device, dtype)
+        spec = None
+        if self.speculative_config is not None:
+            from kvpilot.spec_decode import build_speculative_decoder
+
+            spec = build_speculative_decoder(self.speculative_config, self._executor, max_num_tokens,
+                                             max_batch_size, self.max_seq_len, dtype)
+        self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
+        if lora_config is not None:
+            self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
+            for d in lora_config.lora_dir:  # checked against the model now, not at first use
+                self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
-                                tuning=tuning)
+                                max_loras=lora_config.max_loras if lora_config is not None else 0,
+                                speculative=spec, tuning=tuning)
         self.pool_tokens = self._executor.num_blocks * self._executor.block_size
         _freeze_gc()
         self._loop = EngineLoop(self._core)
@@ -159,7 +230,21 @@ class LLM:
             return None, ids
         raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool) -> Request:
+    def _adapter(self, lora_request):
+        """The loaded adapter of ``lora_request`` (None for None), from the host-memory cache.
+
+        Raises:
+            ValueError: ``lora_request`` without ``lora_config``; a bad adapter (`kvpilot.lora.adapter.load_adapter`).
+            TypeError: not a `LoRARequest`.
+        """
+        if lora_request is None:
+            return None
+        if self.lora_cache is None:
+            raise ValueError("lora_request needs an LLM created with lora_config=LoraConfig(...)")
+        return self.lora_cache.get(lora_request)
+
+    def _make_request(self, prompt: PromptInput, params: Optional[SamplingParams], streaming: bool,
+                      lora_request=None) -> Request:
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         # A private, re-validated copy: fields changed after construction are checked again, and the
@@ -169,6 +254,7 @@ class LLM:
             raise ValueError(f"beam search with {params.num_candidates} beams needs that many batch slots and "
                              f"tokens per step; max_batch_size is {self.max_batch_size}, max_num_tokens is "
                              f"{self.max_num_tokens}")
+        adapter = self._adapter(lora_request)
         text, ids = self._tokenize(prompt)
         if len(ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}, which must "
@@ -193,19 +279,50 @@ class LLM:
                                  f"min_tokens ({params.min_tokens}) bans: no token could be generated")
         if params.bad_words and self.tokenizer is not None:
             params._bad_words_ids = _bad_words_ids(self.tokenizer, params.bad_words)
+        compiled = self._compile_guided(params) if params.guided_decoding is not None else None
         rid = next(_request_ids)
         out = RequestOutput(rid, text, ids, params.n, streaming, abort_fn=self._loop.abort)
-        req = Request(rid, ids, params, out)
+        req = Request(rid, ids, params, out, lora=adapter)
         base_seed = params.seed % (1 << 63) if params.seed is not None else random.getrandbits(63)
         # Beam search starts from one sequence and forks it (engine/core/beam_search.py).
         for i in range(1 if params.use_beam_search else params.num_candidates):
             seed = base_seed if i == 0 else hash((base_seed, i)) & ((1 << 63) - 1)
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
+            if compiled is not None:
+                req.seqs[-1].guide = self._guided.guide(
+                    compiled, [params.end_id] if params.end_id is not None else None,
+                    params.guided_decoding.start_after)
         return req
 
+    def guided_backend(self) -> GuidedDecodingBackend:
+        """The engine's `GuidedDecodingBackend` (built on first use: tokenizer tables for xgrammar).
+
+        Raises:
+            GuidedDecodingError: ``guided_decoding_backend`` is None, or the engine has no tokenizer.
+        """
+        if self._guided is None:
+            if self.guided_decoding_backend is None:
+                raise GuidedDecodingError("guided_decoding needs a guided_decoding_backend; this LLM was "
+                                          "created with guided_decoding_backend=None")
+            if self.tokenizer is None:
+                raise GuidedDecodingError("guided_decoding needs a tokenizer (skip_tokenizer_init=True)")
+            with self._guided_lock:
+                if self._guided is None:
+                    self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+        return self._guided
+
+    def _compile_guided(self, params: SamplingParams):
+        """The compiled grammar of ``params.guided_decoding`` (cached by its text; raises
+        GuidedDecodingError, a ValueError, when it does not compile)."""
+        return self.guided_backend().compile(params.guided_decoding)
+
     def generate_async(self, inputs: PromptInput, sampling_params: Optional[SamplingParams] = None,
-                       streaming: bool = False) -> RequestOutput:
+                       streaming: bool = False, lora_request=None) -> RequestOutput:
         """Queue one request and return its `RequestOutput` at once.
+
+        ``lora_request``: a `kvpilot.executor.LoRARequest` to run with that adapter (loaded into
+        host memory on this thread on first use), or None for the base model.
 
         ``await`` it for the finished result (or, with ``streaming=True``, ``async for`` over it and
         get a chunk per engine step). A non-streaming handle receives one update, when the request
@@ -215,13 +332,13 @@ class LLM:
             ValueError / TypeError: bad prompt or parameters (nothing is queued).
             EngineDeadError: the engine has shut down.
         """
-        req = self._make_request(inputs, sampling_params, streaming)
+        req = self._make_request(inputs, sampling_params, streaming, lora_request)
         self._loop.submit(req)
         return req.output
 
     def generate(self, inputs: Union[PromptInput, Seq[PromptInput]],
                  sampling_params: Optional[Union[SamplingParams, Seq[SamplingParams]]] = None,
-                 use_tqdm: bool = True) -> Union[RequestOutput, list[RequestOutput]]:
+                 use_tqdm: bool = True, lora_request=None) -> Union[RequestOutput, list[RequestOutput]]:
         """Generate for one prompt or a batch; results in input order.
 
         Args:
@@ -229,6 +346,8 @@ class LLM:
                 prompt: the BOS token alone, or a ValueError on a model without one.
             sampling_params: one for all prompts, or one per prompt.
             use_tqdm: show a progress bar over finished requests.
+            lora_request: a `kvpilot.executor.LoRARequest` for all prompts, or a list with one per
+                prompt (None entries: the base model); needs ``lora_config``.
         Returns:
             A `RequestOutput` for a single prompt, else a list of them.
         """
@@ -245,7 +364,13 @@ class LLM:
             params = list(sampling_params)
         else:
             params = [sampling_params] * len(prompts)
-        reqs = [self._make_request(p, sp, False) for p, sp in zip(prompts, params)]
+        if isinstance(lora_request, (list, tuple)):
+            if len(lora_request) != len(prompts):
+                raise ValueError(f"got {len(lora_request)} lora_request entries for {len(prompts)} prompts")
+            loras = list(lora_request)
+        else:
+            loras = [lora_request] * len(prompts)
+        reqs = [self._make_request(p, sp, False, lr) for p, sp, lr in zip(prompts, params, loras)]
         for r in reqs:
             self._loop.submit(r)
         bar = None
@@ -379,6 +504,19 @@ def check_max_seq_len(max_seq_len: int, max_position_embeddings: int, allow_long
                          f"positions the model was not trained on")
 
 
+def _lora_cache(executor, lora_config, cfg: ModelConfig):
+    from kvpilot.lora.adapter import AdapterCache, load_adapter
+    from kvpilot.lora.layers import global_targets
+
+    targets = global_targets(cfg)
+    import torch
+
+    # With worker processes the front end's copies only validate adapters (each rank loads its own).
+    dtype = getattr(executor, "dtype", torch.float32)
+    num_layers, rank = cfg.num_hidden_layers, lora_config.max_lora_rank
+    return AdapterCache(lora_config, lambda req: load_adapter(req, targets, num_layers, rank, dtype))
+
+
 def _make_executor(llm: LLM, device: str, dtype: str):
     from kvpilot.runner.model_runner import ModelRunner
 
@@ -387,4 +525,5 @@ def _make_executor(llm: LLM, device: str, dtype: str):
 
         return MultiprocExecutor(llm, device, dtype)
     return ModelRunner(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
-                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype, tuning=llm.tuning)
+                       llm.max_batch_size, llm.max_seq_len, device=device, dtype=dtype,
+                       lora_config=llm.lora_config, tuning=llm.tuning)

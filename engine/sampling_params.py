@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from kvpilot.text import check_text
 
@@ -42,6 +42,10 @@ class SamplingParams:
     (as in vLLM's fast detokenizer).
     TensorRT-LLM's ids: ``end_id`` replaces the model's end-of-sequence ids for this request;
     ``pad_id`` has no effect (batches are ragged, never padded).
+    Structured output: ``guided_decoding`` (a `GuidedDecodingParams`: JSON schema, any JSON object,
+    regex, EBNF grammar, choice list or structural tag) restricts every token to what the grammar
+    allows; the sequence ends (finish_reason "stop") once the grammar is complete and the model
+    emits its end token. Not with ``use_beam_search``.
 
     Raises:
         ValueError: a value outside its allowed range (the message names the field and the range).
@@ -79,6 +83,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     return_context_logits: bool = False
     return_generation_logits: bool = False
+    guided_decoding: Optional["GuidedDecodingParams"] = None
     # Filled in by the engine from `stop` / `bad_words` once a tokenizer is known.
     _bad_words_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -148,6 +153,14 @@ class SamplingParams:
         for name in ("end_id", "pad_id"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), low=0, high=_MAX_ID)
+        if self.guided_decoding is not None:
+            if isinstance(self.guided_decoding, dict):  # e.g. {"json": {...}} from a config file
+                self.guided_decoding = GuidedDecodingParams(**self.guided_decoding)
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise TypeError(f"guided_decoding must be a GuidedDecodingParams, got "
+                                f"{type(self.guided_decoding).__name__}")
+            if self.use_beam_search:
+                raise ValueError("guided_decoding cannot be combined with use_beam_search")
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= set(self.bad_token_ids):
             raise ValueError("allowed_token_ids and bad_token_ids leave no token that can be generated")
 
@@ -171,6 +184,87 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls) if not f.name.startswith("_")}
+
+
+GUIDED_KINDS = ("json", "regex", "grammar", "json_object", "choice", "structural_tag")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """One structured-output constraint (TensorRT-LLM's `GuidedDecodingParams`; ``choice`` is vLLM's).
+
+    Exactly one field is set:
+
+    - ``json``: a JSON schema (a dict, its JSON text, or a pydantic model class); the output is one
+      JSON document that validates against it (xgrammar's strict mode: no properties beyond those
+      declared unless the schema allows them; compact separators, no free whitespace).
+    - ``json_object=True``: any JSON object.
+    - ``regex``: the output matches the regular expression as a whole.
+    - ``grammar``: an EBNF grammar in the GBNF dialect (llama.cpp's, as xgrammar reads it), rule ``root``.
+    - ``choice``: the output is exactly one of these strings.
+    - ``structural_tag``: free text in which tool-call regions are constrained: a dict or JSON
+      string, either xgrammar's format or ``{"structures": [{"begin": "<tool_call>", "schema":
+      {...}, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}``.
+
+    ``start_after`` (a kvpilot extension, not a constraint): generation is free until the output
+    text contains this string (a reasoning model's ``"</think>"``), and the constraint applies from
+    the next token on; the server sets it with ``--reasoning-parser``.
+
+    Raises:
+        ValueError: none or more than one field set, or an empty value.
+        TypeError: a value of the wrong type.
+    A constraint that does not compile is refused when the request is queued
+    (`kvpilot.sampling.guided.GuidedDecodingError`, a ValueError).
+    """
+
+    json: Optional[Union[str, dict[str, Any], type]] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    choice: Optional[list[str]] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    start_after: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise TypeError(f"start_after must be a non-empty string, got {self.start_after!r}")
+        if isinstance(self.json, type):  # a pydantic model class
+            schema = getattr(self.json, "model_json_schema", None)
+            if schema is None:
+                raise TypeError(f"json must be a JSON schema (dict or str) or a pydantic model class, "
+                                f"got the class {self.json.__name__}")
+            self.json = schema()
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise TypeError(f"json must be a JSON schema (dict or str), got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+        if not isinstance(self.json_object, bool):
+            raise TypeError(f"json_object must be a bool, got {type(self.json_object).__name__}")
+        if self.choice is not None:
+            if (isinstance(self.choice, (str, bytes)) or not isinstance(self.choice, (list, tuple))
+                    or not all(isinstance(c, str) for c in self.choice)):
+                raise TypeError(f"choice must be a list of strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+            if not self.choice or not all(self.choice):
+                raise ValueError("choice must hold at least one non-empty string")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise TypeError(f"structural_tag must be a dict or a JSON string, got {type(self.structural_tag).__name__}")
+        set_ = [k for k in GUIDED_KINDS if (getattr(self, k) if k != "json_object" else self.json_object)
+                not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"guided_decoding takes exactly one of {', '.join(GUIDED_KINDS)}; got "
+                             f"{', '.join(set_) if set_ else 'none'}")
+        for k in ("json", "regex", "grammar", "structural_tag"):
+            if getattr(self, k) == "":
+                raise ValueError(f"guided_decoding {k} must not be empty")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: one of `GUIDED_KINDS`."""
+        return next(k for k in GUIDED_KINDS if (getattr(self, k) if k != "json_object" else self.json_object)
+                    not in (None, False))
 
 
 SAMPLING_EPS = 1e-5

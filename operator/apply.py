@@ -12,7 +12,9 @@ object of the same name that another tool created is left untouched (`NotOwnedEr
 controller-runtime operators refuse to adopt what they do not own.
 
 Owned fields: ``metadata.labels``, ``metadata.ownerReferences``, the last-applied annotation
-and the whole ``spec`` of every rendered object. A child whose owned fields already match
+and the whole ``spec`` of every rendered object, except what the caller leaves to another
+writer (``leave``): on an autoscaled workload ``spec.replicas`` belongs to the autoscaler, so it
+is set when the workload is created and never patched, reverted or removed afterwards. A child whose owned fields already match
 (server-side defaults and canonicalised quantities ignored) is left alone, so a settled
 operator makes no writes. Every write carries ``fieldManager=kvpilot``.
 
@@ -45,6 +47,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Pod": ("v1", "pods"),
+    "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+    "ScaledObject": ("keda.sh/v1alpha1", "scaledobjects"),
     KIND: (API_VERSION, PLURAL),
 }
 
@@ -197,18 +201,39 @@ class KubeClient:
 # Pure helpers: what kvpilot owns, whether the live object already has it, and the patch.
 
 
-def owned_fields(obj: dict[str, Any]) -> dict[str, Any]:
-    """The part of a rendered object that kvpilot owns (see the module docstring)."""
+Path = tuple[str, ...]
+
+#: What another writer owns on an autoscaled workload: set at creation, never patched after.
+REPLICAS: tuple[Path, ...] = (("spec", "replicas"),)
+
+
+def _without(data: dict[str, Any], leave: tuple[Path, ...]) -> dict[str, Any]:
+    """A copy of ``data`` without the keys at the paths in ``leave`` (missing paths ignored)."""
+    if not leave:
+        return data
+    out = json.loads(json.dumps(data))
+    for path in leave:
+        target = out
+        for key in path[:-1]:
+            target = target.get(key) if isinstance(target, dict) else None
+        if isinstance(target, dict):
+            target.pop(path[-1], None)
+    return out
+
+
+def owned_fields(obj: dict[str, Any], leave: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The part of a rendered object that kvpilot owns (see the module docstring), less the
+    paths in ``leave`` (fields another writer owns, e.g. :data:`REPLICAS` under an autoscaler)."""
     meta = obj["metadata"]
     owned_meta: dict[str, Any] = {"labels": dict(meta.get("labels") or {})}
     if meta.get("ownerReferences"):
         owned_meta["ownerReferences"] = meta["ownerReferences"]
-    return {"metadata": owned_meta, "spec": obj["spec"]}
+    return _without({"metadata": owned_meta, "spec": obj["spec"]}, leave)
 
 
-def last_applied(obj: dict[str, Any]) -> str:
-    """Canonical JSON of ``owned_fields(obj)``, stored on the child under :data:`LAST_APPLIED`."""
-    return json.dumps(owned_fields(obj), sort_keys=True, separators=(",", ":"))
+def last_applied(obj: dict[str, Any], leave: tuple[Path, ...] = ()) -> str:
+    """Canonical JSON of ``owned_fields(obj, leave)``, stored on the child under :data:`LAST_APPLIED`."""
+    return json.dumps(owned_fields(obj, leave), sort_keys=True, separators=(",", ":"))
 
 
 def _quantity(value: Any) -> Decimal | None:
@@ -299,20 +324,25 @@ def extra_keys(obj: dict[str, Any], live: dict[str, Any]) -> dict[tuple[str, ...
     return out
 
 
-def in_sync(obj: dict[str, Any], live: dict[str, Any] | None) -> bool:
-    """True when ``live`` already holds every field kvpilot owns in the rendered ``obj``."""
+def in_sync(obj: dict[str, Any], live: dict[str, Any] | None, leave: tuple[Path, ...] = ()) -> bool:
+    """True when ``live`` already holds every field kvpilot owns in the rendered ``obj``
+    (the paths in ``leave`` not counted)."""
     if live is None:
         return False
     annotations = (live.get("metadata") or {}).get("annotations") or {}
-    return annotations.get(LAST_APPLIED) == last_applied(obj) and is_subset(owned_fields(obj), live) \
+    return annotations.get(LAST_APPLIED) == last_applied(obj, leave) and is_subset(owned_fields(obj, leave), live) \
         and not extra_keys(obj, live)
 
 
-def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None = None) -> ApplyResult:
+def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None = None,
+          leave: tuple[Path, ...] = ()) -> ApplyResult:
     """Make the live object hold ``obj``'s owned fields, writing only when something differs.
 
     Args:
         live: the object as just read or watched; read with a GET when not given.
+        leave: paths (e.g. :data:`REPLICAS`) that another writer owns: a created object gets
+            ``obj``'s values there, a patch never sets nor removes them, and a live value that
+            differs is not drift.
 
     Raises:
         NotOwnedError: the name is taken by an object another controller owns, or that another
@@ -321,7 +351,7 @@ def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None =
     """
     kind, meta = obj["kind"], obj["metadata"]
     ns, name = meta["namespace"], meta["name"]
-    applied = last_applied(obj)
+    applied = last_applied(obj, leave)
     if live is None:
         live = client.get(kind, ns, name)
     if live is None:
@@ -338,15 +368,16 @@ def apply(client: KubeClient, obj: dict[str, Any], live: dict[str, Any] | None =
             if live is None:
                 raise
     _check_controller(live, obj)
-    owned = owned_fields(obj)
-    if in_sync(obj, live):
+    owned = owned_fields(obj, leave)
+    if in_sync(obj, live, leave):
         return ApplyResult(kind, name, "unchanged")
     live_annotations = (live.get("metadata") or {}).get("annotations") or {}
     try:
         previous = json.loads(live_annotations.get(LAST_APPLIED) or "{}")
     except json.JSONDecodeError:
         previous = {}
-    patch = merge_patch(previous, owned)
+    # What kvpilot set before at a path it now leaves to another writer stays as it is.
+    patch = merge_patch(_without(previous, leave) if isinstance(previous, dict) else {}, owned)
     for path, keys in extra_keys(obj, live).items():
         target = patch
         for key in path:

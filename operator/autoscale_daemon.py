@@ -29,6 +29,7 @@ import httpx
 import kopf
 
 from . import apply as kube
+from . import foreign
 from .autoscaler import Decision, ScalingHistory, ScalingPolicy, decide, deletion_costs
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import serving_selector, workload_kind
@@ -88,9 +89,13 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
     history rides along with those writes, so a restarted operator resumes the windows from the
     last one.
 
+    An HPA or KEDA ScaledObject that scales the workload or the CR (operator/foreign.py) stops
+    the round before anything is written but the ``ForeignAutoscaler`` condition.
+
     Returns:
         (seconds until the next round, the decision or None when there was nothing to decide:
-        the CR is gone, invalid, not autoscaled, or its workload does not exist yet).
+        the CR is gone, invalid, not autoscaled, its workload does not exist yet, or another
+        autoscaler scales it).
     """
     cr = await asyncio.to_thread(client.get, KIND, namespace, name)
     if cr is None:
@@ -108,6 +113,10 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
     kind = workload_kind(cr)
     child = await asyncio.to_thread(client.get, kind, namespace, name)
     if child is None:
+        return interval, None
+    scalers = await asyncio.to_thread(foreign.find, client, namespace, name)
+    if scalers:  # another autoscaler owns the replicas: write none, say so
+        await asyncio.to_thread(foreign.report, client, cr, scalers, True, logger)
         return interval, None
     current = int((child.get("spec") or {}).get("replicas", 1))
     pods = await asyncio.to_thread(client.list, "Pod", namespace, serving_selector(cr))

@@ -10,9 +10,10 @@ The semantics are those of the Kubernetes HorizontalPodAutoscaler (``pkg/control
 
 - desired = ceil(sum of per-pod KV utilisation / target), i.e. ceil(currentReplicas * ratio) with
   ratio = mean utilisation / target; no change while |ratio - 1| <= tolerance (10%);
-- pods without a sample count as empty (0.0) when the others say "scale up" and as full (1.0) when
-  they say "scale down"; if filling them in flips the direction or lands inside the tolerance, the
-  replica count stays put;
+- pods without a sample count as empty (0.0) when the others say "scale up" and as exactly at the
+  target when they say "scale down" (``calcPlainMetricReplicas``: a silent pod neither pushes a
+  scale-down further nor holds it back beyond its own replica); if filling them in flips the
+  direction or lands inside the tolerance, the replica count stays put;
 - a queue-length term recommends ceil(total waiting / targetQueueLength) when pods queue beyond
   ``targetQueueLength`` (beyond tolerance); it can only raise the recommendation (the larger of the
   two recommendations wins, as with several HPA metrics);
@@ -208,6 +209,10 @@ class Decision:
         utilization: mean KV utilisation (0..1) over the pods that answered, ``None`` if none did.
         queue_length: total waiting requests over the pods that answered, ``None`` if none did.
         pods_with_metrics, pods_missing: pod counts (missing includes pods not created yet).
+        missing_counted_as: the KV utilisation the missing pods were counted at (0.0 on the way
+            up, the target on the way down), ``None`` when no pod was missing or none answered.
+        missing_pods: names of the existing pods that gave no sample (pods not created yet
+            have no name and are only counted).
         limited_reason: ``TooFewReplicas``/``TooManyReplicas`` when the bounds changed the
             result, else ``DesiredWithinRange``.
         message: one sentence with the numbers, for the Event and the log.
@@ -228,6 +233,8 @@ class Decision:
     limited_reason: str
     message: str
     history: ScalingHistory = field(default_factory=ScalingHistory)
+    missing_counted_as: float | None = None
+    missing_pods: tuple[str, ...] = ()
 
     @property
     def scaled(self) -> bool:
@@ -239,8 +246,18 @@ class Decision:
         dicts (``type``, ``status``, ``reason``, ``message``); the caller adds transition times."""
         n = self.pods_with_metrics + self.pods_missing
         if self.metrics_available:
-            metrics = ("True", "MetricsScraped", f"{self.pods_with_metrics} of {n} pods reported KV-cache utilisation")
-            active = ("True", REASON_VALID_METRIC, "the replica count is computed from KV-cache utilisation")
+            metrics_msg = f"{self.pods_with_metrics} of {n} pods reported KV-cache utilisation"
+            if self.missing_pods:
+                shown = ", ".join(self.missing_pods[:5]) + (", ..." if len(self.missing_pods) > 5 else "")
+                metrics_msg += f"; no sample from {shown}"
+            metrics = ("True", "MetricsScraped", metrics_msg)
+            active_msg = "the replica count is computed from KV-cache utilisation"
+            if self.pods_missing:
+                active_msg += f" of {self.pods_with_metrics} of {n} pods; {_missing_phrase(self.pods_missing)}"
+                if self.missing_counted_as is not None:
+                    active_msg += f" (counted at {self.missing_counted_as:g}, " + (
+                        "the target, on a scale-down)" if self.missing_counted_as > 0 else "empty, on a scale-up)")
+            active = ("True", REASON_VALID_METRIC, active_msg)
         else:
             metrics = ("False", "NoPodAnswered", f"none of {n} pods reported KV-cache utilisation; not scaling")
             active = ("False", REASON_NO_METRICS, "no metrics, so no scaling decision")
@@ -256,33 +273,38 @@ class Decision:
         ]
 
 
+def _missing_phrase(n: int) -> str:
+    return f"{n} pod gave no metrics" if n == 1 else f"{n} pods gave no metrics"
+
+
 def _ceil(x: float) -> int:
     # Rounding first keeps 1.4 / 0.7 == 2.0000000000000004 from becoming 3.
     return math.ceil(round(x, 9))
 
 
-def _kv_recommendation(usages: Sequence[float | None], current: int, target: float, tolerance: float) -> int:
-    """HPA's ``calcPlainMetricReplicas`` for one per-pod gauge (``usages``: one entry per pod)."""
+def _kv_recommendation(usages: Sequence[float | None], current: int, target: float,
+                       tolerance: float) -> tuple[int, float | None]:
+    """HPA's ``calcPlainMetricReplicas`` for one per-pod gauge (``usages``: one entry per pod).
+
+    Returns (recommended replicas, the value the missing pods were counted at or ``None``).
+    """
     present = [u for u in usages if u is not None]
     ratio = sum(present) / len(present) / target
     n_missing = len(usages) - len(present)
     if n_missing == 0:
         if abs(1.0 - ratio) <= tolerance:
-            return current
-        return _ceil(ratio * len(present))
-    if ratio < 1.0:
-        filled = present + [1.0] * n_missing  # on the way down, silent pods count as full
-    elif ratio > 1.0:
-        filled = present + [0.0] * n_missing  # on the way up, as empty
-    else:
-        filled = present
+            return current, None
+        return _ceil(ratio * len(present)), None
+    # On the way down silent pods count as exactly at the target; otherwise as empty.
+    fill = target if ratio < 1.0 else 0.0
+    filled = present + [fill] * n_missing
     new_ratio = sum(filled) / len(filled) / target
     if abs(1.0 - new_ratio) <= tolerance or (ratio < 1.0 < new_ratio) or (ratio > 1.0 > new_ratio):
-        return current
+        return current, fill
     desired = _ceil(new_ratio * len(filled))
     if (new_ratio < 1.0 and desired > current) or (new_ratio > 1.0 and desired < current):
-        return current
-    return desired
+        return current, fill
+    return desired, fill
 
 
 def _queue_recommendation(waiting: Sequence[float], n_pods: int, target: float | None, tolerance: float) -> int | None:
@@ -369,7 +391,7 @@ def decide(
 
     utilization = sum(m.kv_cache_usage for m in answered) / len(answered)
     queue_length = sum(m.num_requests_waiting or 0.0 for m in answered)
-    kv_rec = _kv_recommendation(usages, current, policy.target_kv_cache_utilization, policy.tolerance)
+    kv_rec, fill = _kv_recommendation(usages, current, policy.target_kv_cache_utilization, policy.tolerance)
     queue_rec = _queue_recommendation(
         [m.num_requests_waiting or 0.0 for m in answered], len(usages), policy.target_queue_length, policy.tolerance
     )
@@ -381,6 +403,8 @@ def decide(
         f"{sum(m.kv_cache_usage for m in answered):.3f} over {len(answered)} of {len(usages)} pods) "
         f"vs target {policy.target_kv_cache_utilization:.2f} recommends {kv_rec}"
     )
+    if n_missing:
+        msg += f" ({_missing_phrase(n_missing)}, counted at {fill:g})"
     if queue_rec is not None:
         msg += f"; queue {queue_length:g} waiting vs target {policy.target_queue_length:g}/pod recommends {queue_rec}"
     if stabilized != raw:
@@ -390,7 +414,8 @@ def decide(
     log.debug("decide: %s", msg)
     return Decision(
         desired, current, raw, kv_rec, queue_rec, stabilized, True, utilization, queue_length,
-        len(answered), n_missing, limited, msg, new_history,
+        len(answered), n_missing, limited, msg, new_history, fill if n_missing else None,
+        tuple(m.pod for m in metrics if not m.available),
     )
 
 

@@ -15,9 +15,11 @@ What triggers what:
 
 Autoscaling lives in operator/autoscale_daemon.py: a kopf daemon per LLMDeployment with
 ``autoscaling.enabled`` scrapes the Ready pods, calls the pure ``autoscaler.decide(...)``, and writes
-``status.desiredReplicas`` (and the windows' history) before the child's ``spec.replicas``. render()
-takes replicas from ``status.desiredReplicas`` (clamped to min/max) when autoscaling is on, so a
-later reconcile re-applies the same number instead of fighting the autoscaler.
+``status.desiredReplicas`` (and the windows' history) before the child's ``spec.replicas``. While
+autoscaling is on, the autoscaler alone writes the workload's ``spec.replicas``: reconcile and
+drift repair set it only when they create the workload (from a fresh read of
+``status.desiredReplicas``, clamped to min/max) and otherwise leave it as it is
+(:func:`replicas_left`).
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ import kopf
 from . import apply as kube
 from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
-from .render import LWS_API_VERSION, MANAGED_BY, desired_replicas, render, surge_selector, workload_kind
+from .render import LWS_API_VERSION, MANAGED_BY, OWNER_LABEL, desired_replicas, render, surge_selector, workload_kind
 from .status import desired_status, merge_conditions, now_rfc3339, status_patch
+from . import engine_failures, foreign
+from .events import EVENT_SOURCE, warning_event  # noqa: F401  (EVENT_SOURCE re-exported)
 from .status_writer import update_status
 # Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
 from . import autoscale_daemon  # noqa: F401
@@ -105,7 +109,6 @@ def random_priority() -> int:
 
 
 RECONCILED = "Reconciled"  # the condition that says whether the last apply worked
-EVENT_SOURCE = "kvpilot-operator"
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -123,13 +126,19 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int 
     config: OperatorConfig = getattr(memo, "config", None) or OperatorConfig()
     cr = _as_dict(body)
     try:
+        cr = _with_fresh_status(client, cr)
+    except (kube.ApiError, OSError) as exc:
+        message = f"the Kubernetes API refused or failed a request (attempt {retry + 1}): {exc}"
+        _report_failure(client, cr, "APIError", message, logger)
+        raise kopf.TemporaryError(message, delay=config.retry_delay(retry)) from exc
+    try:
         cr = normalize(cr)
         objects = render(cr)
     except ValueError as exc:  # the API server admitted something render() rejects: do not retry
         _report_failure(client, cr, "InvalidSpec", str(exc), logger)
         raise kopf.PermanentError(str(exc)) from exc
     try:
-        _apply_children(client, cr, objects, logger)
+        sync(client, cr, logger)
     except kube.NotOwnedError as exc:
         _report_failure(client, cr, "NameTaken", str(exc), logger)
         raise kopf.TemporaryError(str(exc), delay=config.retry_delay(retry)) from exc
@@ -140,13 +149,57 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int 
         raise kopf.TemporaryError(message, delay=config.retry_delay(retry)) from exc
 
 
+def _with_fresh_status(client: kube.KubeClient, cr: dict[str, Any]) -> dict[str, Any]:
+    """``cr`` with its ``status`` read now: the body kopf hands a handler may predate the
+    autoscaler's latest ``status.desiredReplicas``, which a workload created now must start from."""
+    meta = cr.get("metadata") or {}
+    fresh = client.get(KIND, meta.get("namespace") or "default", meta["name"])
+    if fresh is not None and (fresh.get("metadata") or {}).get("uid") == meta.get("uid"):
+        cr = {**cr, "status": fresh.get("status") or {}}
+    return cr
+
+
+def replicas_left(cr: dict[str, Any], obj: dict[str, Any],
+                  scalers: list[foreign.ForeignScaler] = ()) -> tuple[tuple[str, ...], ...]:
+    """The paths of ``obj`` that reconcile and drift repair leave alone: the workload's
+    ``spec.replicas`` when an autoscaler owns them, i.e. kvpilot's (``cr`` autoscaled: set once,
+    at creation, from ``status.desiredReplicas``, then written by the autoscaler alone) or a
+    foreign HPA/ScaledObject that targets the workload."""
+    if obj["kind"] in WORKLOAD_KINDS and (cr["spec"]["autoscaling"]["enabled"] or any(s.on_workload for s in scalers)):
+        return kube.REPLICAS
+    return ()
+
+
+def effective(cr: dict[str, Any], scalers: list[foreign.ForeignScaler]) -> dict[str, Any]:
+    """The (defaulted) CR to render: with a foreign scaler on the CR's scale subresource (and
+    none on the workload), kvpilot's autoscaler stands by and ``spec.replicas`` rules, as with
+    autoscaling off."""
+    if cr["spec"]["autoscaling"]["enabled"] and scalers and not any(s.on_workload for s in scalers):
+        cr = copy.deepcopy(cr)
+        cr["spec"]["autoscaling"]["enabled"] = False
+    return cr
+
+
+def sync(client: kube.KubeClient, cr: dict[str, Any], logger: Any) -> None:
+    """Render a defaulted CR (its status fresh), apply its children and write its status,
+    leaving replicas to whichever autoscaler owns them (:func:`replicas_left`).
+
+    Raises:
+        NotOwnedError, ApiError, OSError: as :func:`kube.apply` does.
+    """
+    meta = cr["metadata"]
+    scalers = foreign.find(client, meta.get("namespace") or "default", meta["name"])
+    target = effective(cr, scalers)
+    _apply_children(client, target, render(target), logger, scalers, autoscaled=cr["spec"]["autoscaling"]["enabled"])
+
+
 def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[dict[str, Any]],
-                    logger: Any) -> None:
+                    logger: Any, scalers: list[foreign.ForeignScaler] = (), autoscaled: bool = False) -> None:
     meta = cr["metadata"]
     ns, name, uid = meta.get("namespace") or "default", meta["name"], meta.get("uid")
     current = workload_kind(cr)
     objects, retire, surging = surge_plan(client, cr, objects)
-    results = [kube.apply(client, obj) for obj in objects]
+    results = [kube.apply(client, obj, leave=replicas_left(cr, obj, scalers)) for obj in objects]
     changed = [f"{r.kind}:{r.action}" for r in results if r.action != "unchanged"]
     if changed:
         logger.info("applied %s", ", ".join(changed))
@@ -157,7 +210,9 @@ def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[d
     extra = [_condition(RECONCILED, True, "Applied", "every child matches the spec")]
     if surging:
         extra.append(_surge_condition(current, surging))
-    _write_status(client, cr, child, observed_generation=True, extra=extra)
+    if scalers:
+        foreign.report(client, cr, scalers, autoscaled, logger)
+    _write_status(client, cr, child, observed_generation=True, extra=extra, foreign_scalers=bool(scalers))
 
 
 def _surge_condition(new_kind: str, old_kind: str) -> dict[str, Any]:
@@ -241,24 +296,6 @@ def _report_failure(client: kube.KubeClient, cr: dict[str, Any], reason: str, me
         logger.warning("could not report %s on %s/%s: %s", reason, ns, name, exc)
 
 
-def warning_event(cr: dict[str, Any], reason: str, message: str) -> dict[str, Any]:
-    """A core/v1 Warning Event on the CR (named ``{cr name}.{random hex}``, as kubectl shows them)."""
-    import uuid
-
-    meta = cr["metadata"]
-    ns = meta.get("namespace") or "default"
-    stamp = now_rfc3339()
-    return {
-        "apiVersion": "v1", "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": ns},
-        "involvedObject": {"apiVersion": cr.get("apiVersion"), "kind": cr.get("kind", KIND), "name": meta["name"],
-                           "namespace": ns, "uid": meta.get("uid")},
-        "type": "Warning", "reason": reason, "message": message[:1000],
-        "source": {"component": EVENT_SOURCE}, "reportingComponent": EVENT_SOURCE,
-        "firstTimestamp": stamp, "lastTimestamp": stamp, "count": 1,
-    }
-
-
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_LABELS)
 @kopf.on.event(*LWS_API_VERSION.split("/"), "leaderworkersets", labels=CHILD_LABELS)
 @kopf.on.event("", "v1", "services", labels=CHILD_LABELS)
@@ -292,8 +329,17 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
     live = None if type == "DELETED" else child
     if live is not None and live["metadata"].get("deletionTimestamp"):
         return  # being deleted: recreated on its DELETED event
-    if not kube.in_sync(wanted, live):
-        result = kube.apply(client, wanted, live=live)
+    leave = replicas_left(cr, wanted)
+    if child["kind"] in WORKLOAD_KINDS and not kube.in_sync(wanted, live, leave):
+        # Drift of the workload: first make sure that no foreign autoscaler owns its replicas.
+        scalers = foreign.find(client, ns, owner["name"])
+        if scalers:
+            target = effective(cr, scalers)
+            wanted = next(o for o in render(target) if o["kind"] == child["kind"])
+            leave = replicas_left(target, wanted, scalers)
+            foreign.report(client, cr, scalers, cr["spec"]["autoscaling"]["enabled"], logger)
+    if not kube.in_sync(wanted, live, leave):
+        result = kube.apply(client, wanted, live=live, leave=leave)
         logger.info("repaired drift of %s %s/%s: %s", child["kind"], ns, child["metadata"]["name"], result.action)
         if result.action != "unchanged":
             live = client.get(child["kind"], ns, child["metadata"]["name"])
@@ -309,7 +355,8 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
 
 
 def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, Any] | None,
-                  observed_generation: bool, extra: list[dict[str, Any]] | None = None) -> None:
+                  observed_generation: bool, extra: list[dict[str, Any]] | None = None,
+                  foreign_scalers: bool = False) -> None:
     """Write the status kvpilot owns for ``cr`` (its spec as rendered) and ``child``, computed
     against a fresh read of the status so that other writers' conditions survive."""
     meta = cr["metadata"]
@@ -322,7 +369,7 @@ def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, 
             desired["conditions"] = merge_conditions(desired["conditions"], extra, now)
         patch = status_patch(current, desired)
         scaling = next((c for c in current["status"].get("conditions") or [] if c.get("type") == "ScalingActive"), None)
-        if observed_generation and not cr["spec"]["autoscaling"]["enabled"] and scaling:
+        if observed_generation and not cr["spec"]["autoscaling"]["enabled"] and scaling and not foreign_scalers:
             # Switched off (also while no autoscaler ran, e.g. the operator was down): say so.
             off = autoscale_daemon.disabled_status({**current["status"], **patch}, now)
             patch.update(off or {})
@@ -334,3 +381,74 @@ def _write_status(client: kube.KubeClient, cr: dict[str, Any], child: dict[str, 
 def _as_dict(body: Any) -> dict[str, Any]:
     """A plain, mutable copy of a kopf body (kopf's bodies are read-only views)."""
     return copy.deepcopy(dict(body))
+
+
+@kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers")
+def foreign_scaler_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """An HPA appeared, changed or went: if it scales an LLMDeployment or its workload
+    (``scaleTargetRef`` named like the CR), sync that CR so that kvpilot stops (or resumes)
+    writing its replicas and the condition says who scales it.
+
+    A KEDA ScaledObject acts through the HPA that KEDA creates for it (``keda-hpa-*``, same
+    target), so its events arrive here too and :func:`foreign.find` names the ScaledObject;
+    ScaledObjects themselves are only listed, so a cluster without KEDA costs one 404 per sync
+    and no watch.
+    """
+    obj = _as_dict(body)
+    target = foreign.scale_target(obj)
+    if target is None or target[1] not in (*WORKLOAD_KINDS, KIND):
+        return
+    client: kube.KubeClient = memo.kube
+    ns = obj["metadata"].get("namespace") or "default"
+    cr = client.get(KIND, ns, target[2])
+    if cr is None or (cr.get("metadata") or {}).get("deletionTimestamp"):
+        return
+    try:
+        cr = normalize(cr)
+        render(cr)
+    except ValueError:
+        return  # reconcile reports it
+    try:
+        sync(client, cr, logger)  # with no foreign scaler left, a ForeignAutoscaler condition is replaced
+    except (kube.NotOwnedError, kube.ApiError, OSError) as exc:
+        logger.warning("could not sync %s/%s after a change of %s %s: %s", ns, target[2], obj.get("kind"),
+                       obj["metadata"].get("name"), exc)
+
+
+@kopf.on.event("", "v1", "pods", labels=CHILD_LABELS)
+def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Carry why an engine pod does not start (or that one serves) into its LLMDeployment's
+    ``ModelLoaded`` condition (operator/engine_failures.py), with a Warning Event when it turns
+    False. Written only when the condition's status or reason changes, so a crash-looping
+    deployment does not rewrite its status on every restart."""
+    if type == "DELETED":
+        return
+    pod = _as_dict(body)
+    meta = pod.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(OWNER_LABEL)
+    cond = engine_failures.model_loaded_condition(pod)
+    if not owner or cond is None:
+        return
+    client: kube.KubeClient = memo.kube
+    ns = meta.get("namespace") or "default"
+    changed: list[dict[str, Any]] = []
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        old = (fresh.get("status") or {}).get("conditions") or []
+        prev = next((c for c in old if c.get("type") == engine_failures.CONDITION), None)
+        if prev is None and cond["status"] == "True":
+            pass  # the first pod to serve says so
+        elif prev is not None and (prev.get("status"), prev.get("reason")) == (cond["status"], cond["reason"]):
+            return None
+        changed.append(fresh)
+        return {"conditions": merge_conditions(old, [cond], now_rfc3339())}
+
+    try:
+        update_status(client, ns, owner, compute)
+        if changed and cond["status"] == "False":
+            logger.warning("%s/%s: %s", ns, owner, cond["message"])
+            client.request("POST", kube.resource_path("v1", "events", ns),
+                           warning_event(changed[0], cond["reason"], cond["message"]))
+    except (kube.ApiError, OSError) as exc:
+        logger.warning("could not report %s on %s/%s: %s", engine_failures.CONDITION, ns, owner, exc)
+

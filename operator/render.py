@@ -208,6 +208,20 @@ def served_model_name(cr: dict[str, Any]) -> str:
     return name
 
 
+def lora_adapters(cr: dict[str, Any]) -> list[tuple[str, str, str | None, str | None]]:
+    """``spec.lora.adapters`` as (name, directory the engine reads, Hub id to download or None,
+    revision or None). A Hub adapter is downloaded into ``/models/lora/<id>/<revision>``."""
+    out = []
+    for a in (cr["spec"].get("lora") or {}).get("adapters") or []:
+        source = a["source"]
+        if source.startswith("/"):
+            out.append((a["name"], source, None, None))
+        else:
+            revision = a.get("revision") or "main"
+            out.append((a["name"], f"{MODELS_DIR}/lora/{source}/{revision}", source, revision))
+    return out
+
+
 def engine_args(cr: dict[str, Any]) -> list[str]:
     """Arguments of ``kvpilot`` in the engine container: ``serve MODEL --flag value ...``."""
     spec = cr["spec"]
@@ -234,6 +248,14 @@ def engine_args(cr: dict[str, Any]) -> list[str]:
             args += [flag, str(kv[field])]
     if kv.get("enableBlockReuse") is not None:
         args.append("--enable-block-reuse" if kv["enableBlockReuse"] else "--no-enable-block-reuse")
+    lora = spec.get("lora") or {}
+    adapters = lora_adapters(cr)
+    if adapters:
+        args += ["--enable-lora", "--lora-modules", *(f"{name}={path}" for name, path, _, _ in adapters)]
+        for field, flag in (("maxLoras", "--max-loras"), ("maxLoraRank", "--max-lora-rank"),
+                            ("maxCpuLoras", "--max-cpu-loras")):
+            if lora.get(field) is not None:
+                args += [flag, str(lora[field])]
     return args + [str(a) for a in engine.get("extraArgs") or []]
 
 
@@ -337,6 +359,9 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         "resources": _resources(spec, shape.gpus_per_pod),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        # An engine that refuses to start (e.g. a TP size that does not split the heads) exits
+        # with the reason as its last log line; the kubelet keeps it for the ModelLoaded condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
     if leader:
@@ -354,18 +379,23 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
     for key in ("imagePullSecrets", "serviceAccountName", "priorityClassName", "hostIPC"):
         if pod_settings.get(key) not in (None, [], ""):
             pod[key] = copy.deepcopy(pod_settings[key])
-    if hub_id:
+    downloads = [("download-model", hub_id, spec["model"].get("revision") or "main", path)] if hub_id else []
+    # LoRA adapters from the Hub: one download each, into the same volume (every pod: each rank
+    # reads the adapters of its layers).
+    downloads += [(f"download-lora-{i}", src, rev, dest)
+                  for i, (_, dest, src, rev) in enumerate(lora_adapters(cr)) if src is not None]
+    if downloads:
         # Download once into the storage volume; the engine then loads a local directory, so a
         # pinned revision is honoured and restarts on a PVC skip the download.
         pod["initContainers"] = [{
-            "name": "download-model",
+            "name": name,
             "image": spec["image"],
-            "command": ["hf", "download", hub_id, "--revision", spec["model"].get("revision") or "main",
-                        "--local-dir", path],
+            "command": ["hf", "download", repo, "--revision", revision, "--local-dir", dest],
             "env": [copy.deepcopy(e) for e in env if e["name"] in ("HF_HOME", "HOME", "HF_TOKEN")],
             "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
             "securityContext": _container_security(),
-        }]
+        } for name, repo, revision, dest in downloads]
     for key in ("nodeSelector", "tolerations", "affinity"):
         if spec.get(key):
             pod[key] = copy.deepcopy(spec[key])

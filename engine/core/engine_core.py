@@ -178,6 +178,12 @@ class EngineCore:
             ``device`` is CUDA.
             Takes effect only with an executor that has ``supports_async_scheduling``. May be
             changed between steps.
+        speculative: a `kvpilot.spec_decode.decoder.SpeculativeDecoder`, or None (no speculation).
+            With it, steps run in the synchronous order (no async scheduling).
+        max_loras: LoRA adapters the executor holds at once (its device slots); 0 without LoRA. Each
+            planned sequence then carries its request's adapter (``ScheduledSeq.lora``).
+        tuning: the performance switches (`kvpilot.tuning.Tuning`; default: the defaults): the
+            defaults of ``async_output`` / ``async_scheduling`` and the sampler's backend.
 
     ``num_overlapped_steps`` counts the steps launched while the previous step's tokens were still
     on the device.
@@ -186,8 +192,11 @@ class EngineCore:
     def __init__(self, executor, tokenizer, eos_token_ids: list[int], max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, enable_block_reuse: bool,
                  async_output: Optional[bool] = None, async_scheduling: Optional[bool] = None,
-                 tuning: Optional[Tuning] = None) -> None:
+                 max_loras: int = 0, speculative=None, tuning: Optional[Tuning] = None) -> None:
         self.executor = executor
+        self.max_loras = max_loras
+        # Speculative decoding (`kvpilot.spec_decode.decoder.SpeculativeDecoder`) or None.
+        self.spec = speculative
         self.tuning = tuning = tuning or Tuning()
         self.async_output = tuning.async_output if async_output is None else async_output
         if async_scheduling is None:
@@ -207,7 +216,7 @@ class EngineCore:
         self.eos_token_ids = set(eos_token_ids)
         self.max_seq_len = max_seq_len
         self.kv = KVCacheManager(executor.num_blocks, executor.block_size, enable_block_reuse)
-        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size)
+        self.scheduler = Scheduler(self.kv, max_num_tokens, max_batch_size, max_loras)
         self.sampler = Sampler("auto" if tuning.triton_sampler else "torch", check=tuning.sampling_check)
         self.beam_search = BeamSearch(self)  # use_beam_search requests
         self._context_logits: dict[int, list[torch.Tensor]] = {}  # return_context_logits
@@ -329,6 +338,9 @@ class EngineCore:
 
     def _finish_request(self, req: Request, deltas: list[SequenceDelta], error=None) -> None:
         self.requests.pop(req.request_id, None)
+        if self.spec is not None:
+            for seq in req.seqs:
+                self.spec.release(seq)
         self._beam_requests.discard(req.request_id)
         self._gen_logits_requests.discard(req.request_id)
         self._not_argmax_only.discard(req.request_id)
@@ -359,6 +371,8 @@ class EngineCore:
         if prev is not None and not self._overlap_ok():  # switched off since it was launched
             num_generated += self._resolve_inflight()[0]
             prev, settled = None, True
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts the schedule counts
         sched = self.scheduler.schedule(preempt=prev is None)
         if sched is None:
             # A running sequence's next token does not fit: read the in-flight tokens first (they
@@ -408,9 +422,14 @@ class EngineCore:
             elif seq.inflight_row >= 0:  # its input is last step's sampled token, still on the device
                 plan.append(ScheduledSeq(seq.seq_id, _PLACEHOLDER, start, seq.block_table, True, False,
                                          seq.inflight_row))
+            elif seq.spec_token_ids and (sp := self.spec.plan(seq, start, n)) is not None:
+                plan.append(sp)  # its last token and drafts, logits at every position
             else:  # past its prompt, so scheduled before: first_scheduled_time is set
                 plan.append(ScheduledSeq(seq.seq_id, toks[start:start + n], start, seq.block_table,
                                          start + n == len(toks)))
+        if self.max_loras:
+            for p, (seq, _) in zip(plan, sched.scheduled):
+                p.lora = seq.request.lora
         own = defer = False
         own_rows = None  # a step the output rank samples: (seq_id, output position, record) per row
         if prev is not None and not self._defers:
@@ -454,6 +473,7 @@ class EngineCore:
         row = 0
         kv = self.kv
         reuse, B = kv.enable_block_reuse, kv.block_size
+        spec_items = []  # (sequence, plan entry, first logits row) of sequences verifying drafts
         for (seq, n), p in zip(sched.scheduled, plan):
             first = row
             if p.all_logits:
@@ -466,6 +486,9 @@ class EngineCore:
                 # Its input was -1 on the device (the sampler drew that token again on the host):
                 # what this step computed for it is dropped, and the next step computes that
                 # position again from the real token (its KV slot is simply overwritten).
+                continue
+            if p.all_logits and p.start_pos + n > len(seq.token_ids):  # drafts: `SpeculativeDecoder.verify`
+                spec_items.append((seq, p, first))
                 continue
             if p.all_logits:
                 if seq.params.prompt_logprobs is not None:
@@ -534,6 +557,8 @@ class EngineCore:
             self.executor.publish_tokens(None)  # nothing sampled in this step
         if self._pending:  # a split sampler with nothing to sample this step
             self._overlapped_outputs()
+        if spec_items:
+            num_generated += self.spec.verify(self, spec_items, logits)
         if sampled:
             self._settle(sampled, any_done)
         return self._stats(t0, sched, num_prompt_tokens, num_generated + len(sampled), num_context)
@@ -577,7 +602,8 @@ class EngineCore:
         (``async_scheduling``), an executor with ``supports_async_scheduling``, and a sampler call
         whose tokens are a device tensor (``handle.tokens``) and that can be made independent of
         later device work (``handle.detach()``, see `Sampler.launch`'s `_Pending`)."""
-        return (self.async_scheduling and getattr(self.executor, "supports_async_scheduling", False)
+        return (self.async_scheduling and self.spec is None
+                and getattr(self.executor, "supports_async_scheduling", False)
                 and (handle is None or (getattr(handle, "tokens", None) is not None
                                         and getattr(handle, "detach", None) is not None)))
 
@@ -739,7 +765,7 @@ class EngineCore:
                 frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
                 prompt_token_ids=seq.request.prompt_token_ids if p.repetition_penalty != 1.0 else None,
                 logit_bias=p.logit_bias, allowed_token_ids=p.allowed_token_ids,
-                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids)
+                banned_token_ids=list(p.bad_token_ids), bad_word_seqs=p._bad_words_ids, guide=seq.guide)
         row.step = out_len
         if p.min_tokens and out_len <= p.min_tokens:
             row.banned_token_ids = list(p.bad_token_ids) + (
@@ -810,11 +836,25 @@ class EngineCore:
             # A stop token id is its own stop reason, even when it is also an end id.
             seq.finish_reason = "stop"
             seq.stop_reason = token if token in seq.params.stop_token_ids else None
+        guide = seq.guide
+        if guide is not None and not stopped_by_token and self._guide_ends(seq, guide, token):
+            stopped_by_token = True
+            seq.finish_reason = "stop"
         elif len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
             seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
         return _Sampled(seq, token, logprob, top, stopped_by_token, len(toks))
+
+    @staticmethod
+    def _guide_ends(seq: Sequence, guide, token: int) -> bool:
+        """Advance a guided sequence's grammar by ``token``: True when that ends the sequence (the
+        grammar accepted its stop token, or, never with masks applied, refused the token)."""
+        if not guide.accept(token):
+            logger.warning("request %d: token %d is outside its grammar; ending the sequence",
+                           seq.request.request_id, token)
+            return True
+        return guide.terminated
 
     def _output_token(self, e: _Sampled) -> Optional[SequenceDelta]:
         """The slow part of a sampled token: logprob entry, detokenization, stop strings, its delta."""
@@ -931,7 +971,11 @@ class EngineCore:
         itl, self._itl = self._itl, []
         num_generated, self._late_generated = num_generated + self._late_generated, 0
         gpu_mem = torch.cuda.memory_allocated() if self._cuda else 0
-        return IterationStats(
+        lora = {}
+        if self.max_loras:
+            lora = dict(max_lora=self.max_loras, running_lora_adapters=_adapter_names(self.scheduler.running),
+                        waiting_lora_adapters=_adapter_names(self.scheduler.waiting))
+        return IterationStats(**lora,
             iter=self.iteration, timestamp=time.time(), iter_latency_s=time.monotonic() - t0,
             # Sequences: a request with n > 1 counts n times, as vLLM v1 fans parallel sampling out
             # into n child requests; that is also the load the autoscaler should see.
@@ -945,7 +989,13 @@ class EngineCore:
             num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_queries,
             prefix_cache_hits=sched.prefix_hits, num_scheduled_tokens=sched.num_tokens,
             num_context_requests=num_context, num_generation_requests=len(sched.scheduled) - num_context,
-            gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished)
+            gpu_mem_usage=gpu_mem, ttft=ttft, inter_token_latencies=itl, finished=finished,
+            spec_decode=self.spec.take_stats() if self.spec is not None else None)
+
+
+def _adapter_names(seqs) -> list[str]:
+    """Sorted names of the LoRA adapters of ``seqs`` (each once)."""
+    return sorted({s.request.lora.request.lora_name for s in seqs if s.request.lora is not None})
 
 
 def _rank_samplable(p) -> bool:
@@ -958,7 +1008,7 @@ def _rank_samplable(p) -> bool:
             and not p.presence_penalty and not p.logit_bias and p.allowed_token_ids is None
             and not p.bad_token_ids and not p._bad_words_ids and not p.min_tokens and p.logprobs is None
             and p.num_candidates == p.n and p.prompt_logprobs is None and not p.return_context_logits
-            and not p.return_generation_logits)
+            and not p.return_generation_logits and p.guided_decoding is None)
 
 
 def _argmax_only(p) -> bool:

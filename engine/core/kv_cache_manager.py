@@ -9,6 +9,10 @@ mean equal prefixes. A freed block keeps its hash and sits in an LRU free queue;
 prompt begins with cached blocks takes them back instead of recomputing them. A hit is confirmed by
 comparing the block's tokens, so a hash collision can never return wrong KV. Free blocks are
 evicted oldest-first when new blocks are needed.
+
+A request with a LoRA adapter hashes its blocks with the adapter's key as extra bytes
+(`kvpilot.lora.adapter.LoRAAdapter.cache_key`): the same tokens under two adapters (or an adapter
+and the base model) have different K/V, so they never share a block.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def hash_block(parent: Optional[bytes], token_ids: tuple[int, ...], extra: bytes
     if extra:
         h.update(extra)
     return h.digest()
+
+
+def _extra_key(seq: Sequence) -> bytes:
+    """The extra hash bytes of ``seq``'s blocks: its request's LoRA adapter key, or none."""
+    lora = seq.request.lora
+    return b"" if lora is None else lora.cache_key
 
 
 @dataclass
@@ -104,8 +114,9 @@ class KVCacheManager:
     def _block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes, parent = [], None
         B = self.block_size
+        extra = _extra_key(seq)
         for i in range(num_full_blocks):
-            parent = hash_block(parent, tuple(seq.token_ids[i * B:(i + 1) * B]))
+            parent = hash_block(parent, tuple(seq.token_ids[i * B:(i + 1) * B]), extra)
             hashes.append(parent)
         return hashes
 
@@ -207,15 +218,34 @@ class KVCacheManager:
         if num_full <= seq.num_cached_blocks:
             return
         parent = self.blocks[seq.block_table[seq.num_cached_blocks - 1]].block_hash if seq.num_cached_blocks else None
+        extra = _extra_key(seq)
         for i in range(seq.num_cached_blocks, num_full):
             tokens = tuple(seq.token_ids[i * B:(i + 1) * B])
-            h = hash_block(parent, tokens)
+            h = hash_block(parent, tokens, extra)
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 block.block_hash, block.token_ids = h, tokens
                 self.hash_to_block.setdefault(h, block.block_id)
             parent = h
         seq.num_cached_blocks = num_full
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s blocks past the first ``blocks_needed(num_tokens)`` (speculative decoding:
+        slots of rejected drafts). The released blocks hold no computed full block, so they carry no
+        prefix-cache hash; ``seq.block_table`` becomes a new list (the runner's mirror rewrites it)."""
+        keep = self.blocks_needed(num_tokens)
+        table = seq.block_table
+        if len(table) <= keep:
+            return
+        for bid in reversed(table[keep:]):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[bid] = None
+                if block.block_hash is None:
+                    block.token_ids = ()
+                    self.free_blocks.move_to_end(bid, last=False)
+        seq.block_table = table[:keep]
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (tail first, so a prefix's tail is evicted before its head); its

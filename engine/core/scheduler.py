@@ -37,6 +37,13 @@ So re-admission needs no more blocks than the request held when it was preempted
 blocks its next tokens needed: a request that ran once fits the empty pool again.
 A lockstep request that cannot be admitted even into an empty batch and pool can never run:
 `unfit_error` says why, and the engine fails it with that error.
+
+LoRA (``max_loras`` > 0): the running sequences use at most ``max_loras`` distinct adapters (the
+device's slots, `kvpilot.lora.layers.LoRASlots`). A waiting request whose adapter is not among the
+running ones when they already use ``max_loras`` is passed over, keeping its place at the head of
+the queue, and the requests behind it (the base model's, or those of running adapters) are
+admitted in order, as vLLM's scheduler does; it is admitted once a running adapter's last
+sequence finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -81,8 +88,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_tokens: int, max_batch_size: int, max_loras: int = 0) -> None:
         self.kv = kv
+        self.max_loras = max_loras
         self.max_num_tokens = max_num_tokens
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()
@@ -279,6 +287,8 @@ class Scheduler:
                 continue
             computed = seq.num_computed_tokens
             num_tokens = len(seq.token_ids)
+            if seq.spec_token_ids:  # drafts to verify (speculative decoding)
+                num_tokens += len(seq.spec_token_ids)
             if seq.inflight_row >= 0:  # its sampled token is still on the device
                 num_tokens += 1
                 if num_tokens >= seq.length_limit:  # and it is the last one: nothing more to compute
@@ -314,8 +324,19 @@ class Scheduler:
             return out  # the pool is full: admit nothing new this step
         # (With nothing left running the pool is empty: the head, preempted or not, is tried in it.)
         slots = len(running) + (self._reserved_slots() if self._lockstep else 0)
+        adapters = {s.request.lora_id for s in running} - {None} if self.max_loras else None
+        passed: list[Sequence] = []  # queued sequences whose adapter has no free device slot
         while self.waiting and budget > 0 and slots < self.max_batch_size:
             seq = self.waiting[0]
+            if adapters is not None:
+                lid = seq.request.lora_id
+                if lid is not None and lid not in adapters:
+                    if len(adapters) >= self.max_loras:  # every device slot is taken by a running adapter
+                        req = seq.request
+                        while self.waiting and self.waiting[0].request is req:
+                            passed.append(self.waiting.popleft())
+                        continue
+                    adapters.add(lid)
             if seq.request.lockstep:
                 used = self._admit_group(budget, slots, running, out)
                 if not used:
@@ -339,6 +360,8 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             slots += 1
+        if passed:
+            self.waiting.extendleft(reversed(passed))  # back at the head, in their order
         return out
 
     def add_forks(self, seqs: list[Sequence]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvpilot.outputs import Logprob, RequestOutput
 from kvpilot.sampling.sampler import SamplingRow
@@ -67,6 +67,12 @@ class Sequence:
     # ``token_ids`` yet): the row of the in-flight step's sampled-id tensor that holds it. The
     # scheduler counts it as a token to compute; the engine resets it when it reads the step.
     inflight_row: int = -1
+    # Speculative decoding: this step's drafted tokens (after ``token_ids``; not part of them until
+    # verified). The scheduler counts them as tokens to compute (`kvpilot.spec_decode.decoder`).
+    spec_token_ids: tuple | list = ()
+    # Structured output: the grammar state (`kvpilot.sampling.guided.Guide`), advanced by every
+    # appended token; None without ``guided_decoding``.
+    guide: Optional[object] = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.request.num_prompt_tokens  # fixed; read many times per step
@@ -103,6 +109,12 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     aborted: bool = False
     prompt_logprobs_acc: Optional[list] = None  # [None, {token id: Logprob}, ...] when asked for
+    lora: Optional[Any] = None  # the request's `kvpilot.lora.adapter.LoRAAdapter`, None for the base model
+
+    @property
+    def lora_id(self) -> Optional[int]:
+        """The adapter's ``lora_int_id``, None for the base model."""
+        return None if self.lora is None else self.lora.int_id
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -51,12 +51,37 @@ class KvCacheStats:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculation in one engine step: sequences that verified drafts (``num_drafts``), drafted
+    tokens verified, drafted tokens accepted, and accepted tokens per draft position (index 0 =
+    the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verifying sequence and step (accepted drafts + 1)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """TensorRT-LLM's ``specDecodingStats`` names (plus the per-position counts)."""
+        return {"numRequestsWithDraftTokens": self.num_drafts, "numDraftTokens": self.num_draft_tokens,
+                "numAcceptedTokens": self.num_accepted_tokens, "acceptanceLength": self.mean_accepted_length,
+                "acceptedPerPosition": list(self.accepted_per_pos)}
+
+
+@dataclass
 class IterationStats:
     """What one engine step did, reported after the step.
 
     Counters (``num_*_tokens``, ``num_preemptions``, ``prefix_cache_*``) are for this step only;
     gauges (``num_running``, ``num_waiting``, ``kv_cache``) are the state after it.
     ``ttft`` and ``inter_token_latencies`` hold seconds observed in this step, for histograms.
+    LoRA (``max_lora`` > 0: the engine's ``LoraConfig.max_loras``): the names of the adapters of
+    the running and of the waiting sequences after the step, sorted.
     """
 
     iter: int
@@ -77,6 +102,10 @@ class IterationStats:
     ttft: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding in this step, if any
+    max_lora: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """TensorRT-LLM's iteration-stats JSON field names (`get_stats()` entries)."""
@@ -110,4 +139,5 @@ class IterationStats:
                 "numPausedRequests": 0,
                 "microBatchId": 0,
             },
+            **({"specDecodingStats": self.spec_decode.to_dict()} if self.spec_decode is not None else {}),
         }

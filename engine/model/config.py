@@ -31,6 +31,12 @@ class ModelConfig:
     mlp_bias: bool = False
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
+    #: not from config.json: the MoE kernels' backend (`kvpilot.config.MoeConfig.backend`) and the
+    #: expert-parallel size (`LLM`'s ``moe_expert_parallel_size``, `kvpilot.model.moe`)
+    moe_backend: str = "TRITON"
+    moe_expert_parallel_size: int = 1
+    #: an on-the-fly quantization request (`kvpilot.config.QuantConfig.to_dict`), or None
+    quantization: Optional[dict[str, Any]] = None
 
     @classmethod
     def from_dir(cls, model_dir: Path, trust_remote_code: bool = False) -> "ModelConfig":
@@ -50,6 +56,12 @@ class ModelConfig:
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint directory")
         cfg = json.loads(path.read_text())
+        if not cfg.get("quantization_config"):  # ModelOpt's side file (kvpilot.model.quantization)
+            from kvpilot.model.quantization import read_hf_quant_config
+
+            modelopt = read_hf_quant_config(model_dir)
+            if modelopt is not None:
+                cfg["quantization_config"] = modelopt
         arch = resolve_architecture(cfg, trust_remote_code, str(model_dir))
         heads = cfg["num_attention_heads"]
         eos = _as_list(cfg.get("eos_token_id"))

@@ -32,7 +32,8 @@ from kvpilot.model.attention import Attention, AttentionOptions
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers import AttentionMetadata, ParallelContext, RMSNorm, VocabParallelEmbedding
 from kvpilot.model.mlp import GatedMLP
-from kvpilot.model.quantization import QuantizationMethod, get_quantization_method
+from kvpilot.model.quantization import (QuantizationMethod, UnquantizedLinearMethod, UnsupportedQuantizationError,
+                                        apply_module_exclusions, get_quantization_method)
 from kvpilot.model.rotary import RotaryEmbedding, rope_parameters
 from kvpilot.tuning import Tuning
 
@@ -141,7 +142,8 @@ class DecoderLayer(nn.Module):
                          and self.self_attn.qkv_proj.quant_method.supports_fused_gemv)
 
     def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
-        if self.fused_gemv and self.can_fuse:
+        lora = self.self_attn.qkv_proj.lora  # a step with LoRA adapters takes the unfused modules
+        if self.fused_gemv and self.can_fuse and (lora is None or not lora.active):
             return self._forward_fused(positions, hidden, residual, meta, kv_cache, cos_sin_cache)
         if residual is None:
             residual = hidden
@@ -205,12 +207,16 @@ class CausalLM(nn.Module):
         self.invariant_shards = 0
         self.lm_head_shards = None
         self.tp_reduce_fp32 = tuning.tp_reduce_fp32
-        self.quant_method = get_quantization_method(cfg.raw)
+        self.quant_method = get_quantization_method(cfg.raw, getattr(cfg, "quantization", None))
+        if tuning.tp_invariant and not isinstance(self.quant_method, UnquantizedLinearMethod):
+            raise UnsupportedQuantizationError("Tuning.tp_invariant shard layers hold 16/32-bit weights only; "
+                                               "leave it 0 for a quantized model")
         if not self.spec.supports_tp_invariant and tuning.tp_invariant:
             raise ValueError(f"Tuning.tp_invariant has shard layers for Llama only, not {cfg.architecture}; "
                              f"leave it 0 for this model")
         self._build_ends()
         self.layers = nn.ModuleList(self.build_layer(i) for i in range(start, end))
+        apply_module_exclusions(self)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.spec.norm_offset) if self.is_last else None
         self.lm_head = None
         if self.is_last and self.lm_head_shards is None and not cfg.tie_word_embeddings:

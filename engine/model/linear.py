@@ -12,6 +12,10 @@ Parameters are registered by the layer's quantization method (``weight`` ``[N, K
 ``[N]`` for the unquantized one), so checkpoint names stay ``<proj>.weight`` / ``<proj>.bias``.
 ``forward(x [T, K]) -> [T, N]`` in ``x.dtype``. `output_partitions` gives the per-rank row ranges of
 the merged parts, which the loader (`kvpilot.model.weights`) fills.
+
+LoRA seam: ``layer.lora`` (None unless `kvpilot.lora.layers.LoRASlots` attached one) is called as
+``lora(x, out)`` after the base product and adds each token's adapter update to ``out``; in a
+row-parallel layer, to the rank's partial product before the all-reduce.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ def kv_heads_of(num_kv_heads: int, rank: int, tp: int) -> tuple[int, int]:
 class LinearBase(nn.Module):
     """A projection whose storage and product belong to ``quant_method`` (default bf16/fp32)."""
 
+    #: ``lora(x, out) -> out``: the batched LoRA update added after the base product (module docstring)
+    lora = None
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool, pc: ParallelContext,
                  quant_method: Optional[QuantizationMethod] = None) -> None:
         super().__init__()
@@ -43,14 +50,29 @@ class LinearBase(nn.Module):
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.output_size = sum(output_sizes)
+        self.bias_flag = bias
         self.quant_method = quant_method or UnquantizedLinearMethod()
         self.quant_method.create_weights(self, input_size, self.output_sizes, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        out = self.quant_method.apply(self, x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+
+    def set_quant_method(self, quant_method: QuantizationMethod) -> None:
+        """Replace the layer's method and its parameters (before loading; e.g. a checkpoint module
+        a quantization format leaves unquantized, `kvpilot.model.quantization.apply_module_exclusions`).
+        The new parameters are on the old weight's device."""
+        device = self.weight.device
+        for name in list(self._parameters):
+            delattr(self, name)
+        for attr in ("quant_dtypes", "scale_block"):
+            self.__dict__.pop(attr, None)
+        self.quant_method = quant_method
+        with torch.device(device):
+            quant_method.create_weights(self, self.input_size, self.output_sizes, self.bias_flag)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_sizes}, quant={type(self.quant_method).__name__}"
@@ -121,4 +143,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, fused=None) -> torch.Tensor:
         matmul = fused if fused is not None and self.quant_method.supports_fused_gemv else self._matmul
+        lora = self.lora
+        if lora is not None and lora.active:  # the rank's share of the update joins its partial product
+            base = matmul
+
+            def matmul(x, weight, bias, out_dtype):
+                return lora(x, base(x, weight, bias, out_dtype))
         return self.pc.row_parallel(x, self.weight, self.bias, matmul, self.reduce_fp32, self.ar_site)

@@ -10,6 +10,10 @@ weight is. Norm weights (input, post-attention, Gemma's pre/post feed-forward, q
 replicated. After the last tensor, every module's ``process_weights_after_loading`` runs once
 (quantization repacking, Gemma's ``1 + w`` norms).
 
+A layer whose ``mlp`` has ``load_checkpoint_tensor`` (a mixture-of-experts block,
+`kvpilot.model.moe.SparseMoeBlock`) loads its own ``mlp.*`` tensors: the per-expert tensors go
+into one stacked tensor per projection.
+
 Biases of row-parallel layers (``o_proj``, ``down_proj``) are not split: every tensor-parallel rank
 holds the whole bias, and `llama.ParallelContext.row_parallel` adds it exactly once (after the fp32
 all-reduce, or inside rank 0's GEMM with ``Tuning(tp_reduce_fp32=False)``).
@@ -34,6 +38,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpilot.model.linear import kv_heads_of as _kv_heads_of
+from kvpilot.model.quantization import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,10 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
             raise KeyError(f"checkpoint {_model_dir(model)} has a tensor for {name}, which the "
                            f"{type(model).__name__} model does not have (a config/checkpoint mismatch)")
         p = params[name]
+        if (p.dtype == FP8_DTYPE) != (tensor.dtype == FP8_DTYPE):
+            raise ValueError(f"{name}: checkpoint tensor is {tensor.dtype} but the model expects {p.dtype} "
+                             f"({getattr(model, 'quant_method', None)!r}); is the module missing from, or wrongly in, the "
+                             f"checkpoint's list of unquantized modules?")
         target = p if rows is None else p[rows]
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}{'' if rows is None else rows}: checkpoint shape {tuple(tensor.shape)} "
@@ -119,6 +128,15 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         elif model.lm_head is not None:
             vocab_rows(sl, "lm_head", pc.tp_rank)
 
+    def rank_cols(name: str, sl, r: int):
+        """A row-parallel layer's non-weight tensor: whole, or (2-D block scales) rank ``r``'s columns."""
+        t = sl[:]
+        p = params.get(name)
+        if p is not None and t.dim() == 2 and p.dim() == 2 and t.shape[1] != p.shape[1]:
+            c = p.shape[1]
+            t = t[:, r * c:(r + 1) * c]
+        return t
+
     def layer_tensor(prefix: str, rest: str, kind: str, sl, r: int, tp: int, names: dict[str, str]) -> None:
         """Rank ``r`` of TP ``tp``'s slice of one per-layer tensor into ``names``' parameters."""
         q_heads = cfg.num_attention_heads // tp
@@ -134,19 +152,31 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         elif rest == "self_attn.o_proj.weight":
             put(prefix + names["o"], sl[:, r * q_heads * hd:(r + 1) * q_heads * hd])
         elif rest.startswith("self_attn.o_proj.") and prefix + names["o"].replace(".weight", f".{kind}") in params:
-            put(prefix + names["o"].replace(".weight", f".{kind}"), sl[:])  # e.g. a per-tensor scale
+            put(prefix + names["o"].replace(".weight", f".{kind}"), rank_cols(prefix + names["o"].replace(
+                ".weight", f".{kind}"), sl, r))  # a per-row scale: whole; a block scale: this rank's K blocks
         elif rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
             off = 0 if ".gate_proj." in rest else inter
             put(prefix + f"{names['gate_up']}.{kind}", sl[r * inter:(r + 1) * inter], slice(off, off + inter))
         elif rest == "mlp.down_proj.weight":
             put(prefix + names["down"], sl[:, r * inter:(r + 1) * inter])
         elif rest.startswith("mlp.down_proj.") and prefix + names["down"].replace(".weight", f".{kind}") in params:
-            put(prefix + names["down"].replace(".weight", f".{kind}"), sl[:])
+            put(prefix + names["down"].replace(".weight", f".{kind}"),
+                rank_cols(prefix + names["down"].replace(".weight", f".{kind}"), sl, r))
 
-    for path in safetensors_files(_model_dir(model)):
+    files = safetensors_files(_model_dir(model))
+    key_files = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            key_files.update({k: path for k in f.keys()})
+    block = getattr(getattr(getattr(model, "quant_method", None), "scheme", None), "block", None)
+    model.kv_cache_scales = {}
+
+    for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for key in f.keys():
                 sl = f.get_slice(key)
+                if key in ("model.embed_tokens.weight", "lm_head.weight") and sl.get_dtype() == "F8_E4M3":
+                    sl = _dequantized(key, key_files, block)
                 if key == "model.embed_tokens.weight":
                     if "embed_tokens.weight" in params:  # (not an InvariantTiedEmbedding: the LM head shards')
                         vocab_rows(sl, "embed_tokens.weight", pc.tp_rank)
@@ -168,8 +198,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                 if not start <= i < end:
                     continue
                 prefix = f"layers.{i - start}."
+                kv_kind = _kv_scale_kind(rest)
+                if kv_kind:
+                    model.kv_cache_scales.setdefault(i, {})[kv_kind] = float(sl[...].float().reshape(-1)[0])
+                    continue
+                sl = _scale_rows(cfg, rest, sl, block)
+                mlp_loader = getattr(getattr(model.layers[i - start], "mlp", None), "load_checkpoint_tensor", None)
                 for rest, sl in split(rest, sl):
                     kind = rest.rsplit(".", 1)[-1]  # weight or bias
+                    if mlp_loader is not None and rest.startswith("mlp.") and mlp_loader(
+                            rest[4:], sl, lambda name, t, index=None: put(prefix + "mlp." + name, t, index)):
+                        continue  # an MoE block's tensors (kvpilot.model.moe.SparseMoeBlock)
                     if rest == "self_attn.o_proj.bias":  # whole on every rank (module docstring)
                         put(prefix + o_bias, sl[:])
                     elif rest == "mlp.down_proj.bias":
@@ -188,6 +227,69 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     if missing:
         raise KeyError(f"checkpoint {_model_dir(model)} lacks tensors for {missing[:8]}"
                        f"{' ...' if len(missing) > 8 else ''}")
+
+
+_KV_SCALE_NAMES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.k_proj.k_scale": "k",
+                   "self_attn.v_proj.v_scale": "v", "self_attn.k_proj.output_scale": "k",
+                   "self_attn.v_proj.output_scale": "v", "self_attn.attn.k_scale": "k", "self_attn.attn.v_scale": "v",
+                   "self_attn.kv_scale": "kv"}
+
+
+def _kv_scale_kind(rest: str):
+    """"k", "v" or "kv" for a checkpoint's KV-cache scale tensor (ModelOpt ``k_proj.k_scale``,
+    compressed-tensors ``self_attn.k_scale`` or ``k_proj.output_scale``), else None."""
+    return _KV_SCALE_NAMES.get(rest)
+
+
+_SCALE_SUFFIXES = ("weight_scale", "weight_scale_inv", "input_scale")
+
+
+def _checkpoint_rows(cfg, rest: str):
+    """Rows of the weight of checkpoint projection ``rest`` (``self_attn.q_proj.weight_scale`` ->
+    ``num_heads * head_dim``), or None for other tensors."""
+    hd = cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    proj = rest.rsplit(".", 1)[0]
+    return {"self_attn.q_proj": q, "self_attn.k_proj": kv, "self_attn.v_proj": kv, "self_attn.qkv_proj": q + 2 * kv,
+            "self_attn.o_proj": cfg.hidden_size, "mlp.gate_proj": cfg.intermediate_size,
+            "mlp.up_proj": cfg.intermediate_size, "mlp.gate_up_proj": 2 * cfg.intermediate_size,
+            "mlp.down_proj": cfg.hidden_size}.get(proj)
+
+
+def _scale_rows(cfg, rest: str, sl, block):
+    """A checkpoint scale in one row per weight row, so it slices like the weight: a per-tensor
+    scale (``[]`` or ``[1]``) repeated over the rows, a per-channel ``[N, 1]`` flattened, a block
+    scale ``[ceil(N / block_n), ...]`` repeated ``block_n`` times per block row. Other tensors as given."""
+    if rest.rsplit(".", 1)[-1] not in _SCALE_SUFFIXES:
+        return sl
+    rows = _checkpoint_rows(cfg, rest)
+    if rows is None:
+        return sl
+    t = sl[...].to(torch.float32)
+    if t.numel() == 1:
+        return t.reshape(1).expand(rows).contiguous()
+    if t.dim() == 2 and t.shape == (rows, 1):
+        return t.reshape(rows)
+    if t.dim() == 2 and block is not None and t.shape[0] == -(-rows // block[0]):
+        return t.repeat_interleave(block[0], 0)[:rows].contiguous()
+    return t
+
+
+def _dequantized(key: str, key_files: dict, block) -> torch.Tensor:
+    """An FP8 embedding or LM head of the checkpoint times its scale (kvpilot keeps them 16/32-bit)."""
+    from kvpilot.kernels.fp8_gemv import dequantize_fp8
+
+    stem = key.rsplit(".", 1)[0]
+    for suffix in ("weight_scale", "weight_scale_inv"):
+        name = f"{stem}.{suffix}"
+        if name in key_files:
+            with safe_open(str(key_files[name]), framework="pt", device="cpu") as g:
+                scale = g.get_tensor(name).to(torch.float32)
+            with safe_open(str(key_files[key]), framework="pt", device="cpu") as g:
+                w = g.get_tensor(key)
+            blk = block if scale.dim() == 2 and scale.shape[1] > 1 else None
+            return dequantize_fp8(w, scale.reshape(-1) if blk is None else scale, blk)
+    raise KeyError(f"checkpoint has an FP8 {key} without {stem}.weight_scale")
 
 
 def _model_dir(model: nn.Module) -> Path:

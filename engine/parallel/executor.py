@@ -35,6 +35,8 @@ ranks by a gloo broadcast from rank 0, and rank 0 relays the output rank's logit
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import multiprocessing as mp
 import pickle
@@ -154,7 +156,7 @@ def _free_port() -> int:
 
 def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                      max_batch_size: int, max_seq_len: int, device: str, dtype: str, tp: int, pp: int,
-                     group: Optional[LwsGroup], tuning: Optional[Tuning] = None) -> WorkerSpec:
+                     group: Optional[LwsGroup], lora_config=None, tuning: Optional[Tuning] = None) -> WorkerSpec:
     """The `WorkerSpec` every rank gets; on one node the rendezvous is a free localhost port.
     ``tuning`` (default: the defaults) travels to every rank.
 
@@ -178,7 +180,7 @@ def make_worker_spec(model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig
         max_batch_size=max_batch_size, max_seq_len=max_seq_len, device=dev, dtype=dtype, tp_size=tp,
         pp_size=pp, init_method=init, ranks_per_node=per_node, multi_node=group is not None,
         timeout_s=envs.dist_timeout_s(), tuning=tuning,
-        log_level=logging.getLogger().getEffectiveLevel())
+        log_level=logging.getLogger().getEffectiveLevel(), lora_config=lora_config)
 
 
 def _start_ranks(spec: WorkerSpec, ranks: range, with_pipes: bool):
@@ -232,7 +234,7 @@ class MultiprocExecutor:
                                f"(LWS_WORKER_INDEX=0) builds an LLM; the others call kvpilot.parallel.executor.run_lws_worker")
         spec = make_worker_spec(llm.model_dir, llm.model_config, llm.kv_cache_config, llm.max_num_tokens,
                                 llm.max_batch_size, llm.max_seq_len, device, dtype, llm.tensor_parallel_size,
-                                llm.pipeline_parallel_size, group, llm.tuning)
+                                llm.pipeline_parallel_size, group, getattr(llm, "lora_config", None), llm.tuning)
         self.spec = spec
         self._step_timeout = spec.timeout_s + STEP_TIMEOUT_MARGIN_S
         t0 = time.perf_counter()
@@ -893,8 +895,8 @@ class MultiprocExecutor:
 def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    max_batch_size: int = 256, max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                    kv_cache_config: Optional[KvCacheConfig] = None, device: str = "auto", dtype: str = "auto",
-                   group: Optional[LwsGroup] = None, revision: Optional[str] = None,
-                   tuning: Optional[Tuning] = None) -> int:
+                   group: Optional[LwsGroup] = None, revision: Optional[str] = None, quant_config=None,
+                   lora_config=None, tuning: Optional[Tuning] = None) -> int:
     """Run this pod's ranks of a LeaderWorkerSet group until the leader stops; returns an exit status.
 
     ``kvpilot serve`` calls this instead of building an `LLM` when ``LWS_WORKER_INDEX`` > 0. The
@@ -911,9 +913,14 @@ def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_
 
     model_dir = resolve_model(str(model), revision)  # the leader's snapshot (same id and revision)
     cfg = ModelConfig.from_dir(model_dir)
-    spec = make_worker_spec(model_dir, cfg, kv_cache_config or KvCacheConfig(), max_num_tokens, max_batch_size,
+    kv_cache_config = kv_cache_config or KvCacheConfig()
+    if quant_config is not None:  # as `kvpilot.LLM` applies it on the leader
+        if quant_config.quant_algo:
+            cfg.quantization = quant_config.to_dict()
+        kv_cache_config = dataclasses.replace(kv_cache_config, dtype=quant_config.kv_cache_dtype(kv_cache_config))
+    spec = make_worker_spec(model_dir, cfg, kv_cache_config, max_num_tokens, max_batch_size,
                             int(max_seq_len or cfg.max_position_embeddings), device, dtype, tensor_parallel_size,
-                            pipeline_parallel_size, group, tuning or Tuning.from_env())
+                            pipeline_parallel_size, group, lora_config, tuning or Tuning.from_env())
     first = group.index * spec.ranks_per_node
     procs, _ = _start_ranks(spec, range(first, first + spec.ranks_per_node), with_pipes=False)
     logger.info("LeaderWorkerSet worker %d: ranks %d..%d started", group.index, first, first + len(procs) - 1)

@@ -47,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -195,19 +195,21 @@ class PlanEncoder:
 
     def encode(self, plan: list[ScheduledSeq]) -> list[tuple]:
         """``plan`` -> list of ``(seq_id, token_ids, start_pos, mode, blocks, sample, all_logits,
-        inflight_row)``."""
+        inflight_row, lora)``; ``lora`` is the sequence's `LoRARequest` (not the adapter's tensors:
+        each rank loads its own copy on first use) or None."""
         sent = self._sent
         out, now = [], {}
         for s in plan:
             bt = s.block_table
             m = len(bt)
             prev = sent.get(s.seq_id)
+            lora = s.lora.request if s.lora is not None else None
             if prev is not None and prev[0] is bt and m >= prev[1] and s.seq_id not in now:
                 out.append((s.seq_id, s.token_ids, s.start_pos, _BT_APPEND, bt[prev[1]:], s.sample, s.all_logits,
-                            s.inflight_row))
+                            s.inflight_row, lora))
             else:
                 out.append((s.seq_id, s.token_ids, s.start_pos, _BT_FULL, bt, s.sample, s.all_logits,
-                            s.inflight_row))
+                            s.inflight_row, lora))
             now[s.seq_id] = (bt, m)
         self._sent = now
         return out
@@ -220,13 +222,15 @@ class PlanDecoder:
         KeyError: an append for a sequence the decoder does not hold (encoder and decoder out of step).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, adapter_of=None) -> None:
         self._tables: dict[int, list[int]] = {}
+        #: `LoRARequest` -> this rank's loaded `LoRAAdapter` (`Worker.lora_cache`'s ``get``)
+        self.adapter_of = adapter_of
 
     def decode(self, encoded: list[tuple]) -> list[ScheduledSeq]:
         tables = self._tables
         plan, now = [], {}
-        for seq_id, toks, start, mode, blocks, sample, all_logits, inflight_row in encoded:
+        for seq_id, toks, start, mode, blocks, sample, all_logits, inflight_row, lora in encoded:
             if mode == _BT_APPEND:
                 bt = tables[seq_id]
                 if blocks:
@@ -234,7 +238,8 @@ class PlanDecoder:
             else:
                 bt = list(blocks)
             now[seq_id] = bt
-            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row))
+            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row,
+                                     None if lora is None else self.adapter_of(lora)))
         self._tables = now
         return plan
 
@@ -384,6 +389,7 @@ class WorkerSpec:
     timeout_s: float
     tuning: Tuning = field(default_factory=Tuning)
     log_level: int = logging.WARNING
+    lora_config: Optional[Any] = None  # `kvpilot.lora.config.LoraConfig`
 
     @property
     def microbatching(self) -> bool:
@@ -532,7 +538,18 @@ class Worker:
                                                           spec.tuning.tp_custom_allreduce_max_tokens)
         self.runner = StageRunner(Path(spec.model_dir), spec.cfg, spec.kv_config, spec.max_num_tokens,
                                   spec.max_batch_size, spec.max_seq_len, device=self.device, dtype=spec.dtype,
-                                  pc=pc, layer_range=layer_range, tuning=spec.tuning)
+                                  pc=pc, layer_range=layer_range, lora_config=spec.lora_config,
+                                  tuning=spec.tuning)
+        # This rank's adapters in host memory, read from their directories on first use (in the step).
+        self.lora_cache = None
+        if spec.lora_config is not None:
+            from kvpilot.lora.adapter import AdapterCache, load_adapter
+            from kvpilot.lora.layers import global_targets
+
+            targets = global_targets(spec.cfg)
+            layers, rank_max, dt = spec.cfg.num_hidden_layers, spec.lora_config.max_lora_rank, self.runner.dtype
+            self.lora_cache = AdapterCache(spec.lora_config,
+                                           lambda req: load_adapter(req, targets, layers, rank_max, dt))
         # One pool size for all ranks: the smallest (block ids index every rank's cache). Decode
         # graphs only if every rank has them: a graph micro-batch sends and receives padded shapes,
         # and TP ranks must run the same collectives.
@@ -705,7 +722,9 @@ class Worker:
         sends, logits, rows = [], [], []
         offset = 0
         for i, mb in enumerate(mbs):
-            if graphs is not None and graphs.can_run(mb):
+            # A micro-batch with LoRA adapters runs eagerly (every rank decides alike: same plan).
+            lora_on = runner.lora is not None and runner.lora.prepare(mb)
+            if graphs is not None and not lora_on and graphs.can_run(mb):
                 # The same decision on every rank (same plan, same batch sizes): shapes agree.
                 out = self._replay_stage(graphs, mb, prev_rank, more=i + 1 < len(mbs))
                 if not self.is_last:
@@ -720,6 +739,8 @@ class Worker:
                     plan, runner.prefill_pad_buckets, runner.max_batch_size, runner.max_blocks_per_seq) is not None)
             ids, pos, meta, sample_idx = runner.prepare(mb, pad_ok)
             n = ids.shape[0]  # padded like one GPU's prefill graph where it would use one (module docstring)
+            if lora_on:
+                runner.lora.pad_to(n)
             hidden = residual = None
             if not self.is_first:
                 buf = torch.empty((2, n, spec.cfg.hidden_size), dtype=runner.dtype, device=runner.device)
@@ -902,7 +923,7 @@ def _serve(worker: Worker, conn) -> None:
     spec = worker.spec
     rank = worker.rank
     output_rank = (spec.pp_size - 1) * spec.tp_size
-    decoder = PlanDecoder()
+    decoder = PlanDecoder(worker.lora_cache.get if worker.lora_cache is not None else None)
     timer = StepTimer() if spec.tuning.step_timing else None
     worker.timer = timer
     on_gpu = spec.device.startswith("cuda")

@@ -26,6 +26,12 @@ but padded exactly as that graph pads it (`prefill_padding`: the token bucket, i
 see the shapes one GPU gives them and pick the same algorithms and context splits, hence the same
 rounding (unpadded PP 2 prefill steps made bf16 greedy tokens part from one GPU's).
 
+LoRA (``lora_config``): `kvpilot.lora.layers.LoRASlots` adds ``max_loras`` adapter slots to the
+projections before the KV pool is sized (their bytes are not KV). A step in which any sequence has
+an adapter (``ScheduledSeq.lora``) runs eagerly, with each token's slot index set before the
+forward pass; steps without adapters replay the CUDA graphs as usual (the graphs were captured with
+LoRA inactive, so they hold no adapter state).
+
 Async scheduling (``supports_async_scheduling``; `engine_core` explains the engine's side): a step may
 be planned before the previous step's sampled tokens are read. A `ScheduledSeq` with
 ``inflight_row >= 0`` carries a placeholder id; `set_inflight_tokens` hands over the previous step's
@@ -54,6 +60,7 @@ from kvpilot.config import KvCacheConfig, cpu_kv_cache_bytes
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers import AttentionMetadata, ParallelContext
 from kvpilot.model.registry import model_class
+from kvpilot.model.quantization import cast_model
 from kvpilot.model.weights import load_weights
 from kvpilot.tuning import Tuning
 
@@ -218,7 +225,7 @@ class ModelRunner:
     def __init__(self, model_dir: Path, cfg: ModelConfig, kv_config: KvCacheConfig, max_num_tokens: int,
                  max_batch_size: int, max_seq_len: int, device: str = "auto", dtype: str = "auto",
                  pc: Optional[ParallelContext] = None, layer_range: Optional[tuple[int, int]] = None,
-                 tuning: Optional[Tuning] = None) -> None:
+                 lora_config=None, tuning: Optional[Tuning] = None) -> None:
         self.cfg = cfg
         self.tuning = tuning = tuning or Tuning()
         self.kv_config = kv_config
@@ -236,12 +243,20 @@ class ModelRunner:
         with torch.device("meta"):
             model = model_class(cfg.architecture)(cfg, pc, layer_range, tuning)
         # Cast on the meta device first: to_empty then allocates each weight once, in its final dtype.
-        model = model.to(self.dtype).to_empty(device=self.device)
+        # (FP8 weights and their float32 scales keep their dtypes: `cast_model`.)
+        model = cast_model(model, self.dtype).to_empty(device=self.device)
         load_weights(model, Path(model_dir))
         model.eval()
         rope_len = max(max_seq_len, cfg.max_position_embeddings)
         model.init_rope(rope_len, self.device)
         self.model = model
+        self.lora = None  # kvpilot.lora.layers.LoRASlots when lora_config is given
+        if lora_config is not None:
+            from kvpilot.lora.layers import LoRASlots
+
+            self.lora = LoRASlots(model, lora_config, self.dtype, self.device)
+            logger.info("LoRA: %d slots of rank %d (%.1f MB)", lora_config.max_loras, lora_config.max_lora_rank,
+                        self.lora.nbytes / 1e6)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -476,12 +491,19 @@ class ModelRunner:
         sync, self.input_sync = self.input_sync, None
         if sync is not None:
             fix = sync.wrap(fix)
+        if self.lora is not None and self.lora.prepare(seqs):  # adapters: eager (module docstring)
+            return self._execute_eager(seqs, fix)
         if self.graphs is not None and self.graphs.can_run(seqs):
             logits = self.graphs.run(seqs) if fix is None else self.graphs.run(seqs, fix_inputs=fix)
             return logits, list(range(len(seqs)))
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(seqs):
             return self.prefill_graphs.run(seqs) if fix is None else self.prefill_graphs.run(seqs, fix_inputs=fix)
+        return self._execute_eager(seqs, fix)
+
+    def _execute_eager(self, seqs: list[ScheduledSeq], fix) -> tuple[torch.Tensor, list[int]]:
         ids, pos, meta, sample_idx, sample_t = self._prepare(seqs)
+        if self.lora is not None:
+            self.lora.pad_to(ids.shape[0])  # padded tokens (`prefill_pad_buckets`) have no adapter
         if fix is not None:
             fix(ids)
         hidden = self._forward(ids, pos, meta, self.kv_caches)

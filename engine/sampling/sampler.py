@@ -7,6 +7,8 @@ multiplied), frequency/presence penalties (OpenAI: output tokens only,
 ``logit -= frequency * count + presence * (count > 0)``), then temperature, top-k, top-p, min-p.
 The first four are `kvpilot.sampling.logits_processors` (a few batched operations each, penalties from
 per-sequence token counts kept on the device).
+Rows with a grammar (structured output) then get its token mask (`kvpilot.sampling.guided.apply_guides`:
+forbidden tokens -inf) before temperature and the filters.
 
 Randomness is a counter-based hash of (request seed, output position, token id) turned into Gumbel
 noise, so a row's draw never depends on what else is in the batch (same seed, same text), and no
@@ -52,6 +54,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from kvpilot.sampling.guided import apply_guides
 from kvpilot.sampling.logits_processors import Processing, apply_penalties_and_masks
 from kvpilot.sampling.sampler_inputs import SamplingRow, Upload, records, to_host
 
@@ -448,6 +451,8 @@ class Sampler:
         try:
             t = up.send(dev)
             x = logits if proc is None else proc.apply(logits.clone(), t, use_triton)
+            if process:  # structured output: grammar masks (kvpilot.sampling.guided; a no-op without guides)
+                x = apply_guides(x, logits, rows)
         except BaseException:
             if proc is not None:
                 proc.release()

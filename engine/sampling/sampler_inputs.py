@@ -78,6 +78,9 @@ class SamplingRow:
     allowed_token_ids: Optional[list[int]] = _Param(None)
     banned_token_ids: list[int] = field(default_factory=list)
     bad_word_seqs: list[list[int]] = field(default_factory=list)
+    # Structured output: the sequence's grammar state (`kvpilot.sampling.guided.Guide`), read at every
+    # call (its mask changes with each accepted token), or None.
+    guide: Optional[object] = field(default=None, repr=False, compare=False)
     # Penalty history as device tensors (`history`), kept across steps when the row is reused.
     _prompt_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _out_t: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
@@ -90,7 +93,7 @@ class SamplingRow:
 
     def __getstate__(self) -> dict:
         # Copies and pickles leave the device-side state behind (a copy counts its own tokens).
-        return {k: v for k, v in self.__dict__.items() if k not in ("_counts", "_prompt_t", "_out_t")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_counts", "_prompt_t", "_out_t", "guide")}
 
     def record(self) -> bytes:
         """The row's fixed parameters as one `RECORD` (cached until a parameter is assigned).

@@ -9,6 +9,12 @@ Routes (DESIGN.md's HTTP contract):
   ``GET /v1/health/ready`` (same as ``/health``) and ``GET /v1/health/live`` (200 while the process
   is healthy, 503 only if loading failed). Probes never need the API key (kubelet sends none).
 - ``GET /metrics``: Prometheus text exposition of the registry in `ServerState`.
+- LoRA (``--enable-lora``; docs/lora.md): an adapter is a model name. ``/v1/models`` lists each with
+  the base model as ``parent``; ``POST /v1/load_lora_adapter`` ``{lora_name, lora_path}`` and
+  ``POST /v1/unload_lora_adapter`` ``{lora_name}`` add and remove adapters at run time (vLLM's
+  endpoints and plain-text answers; behind the API key like every ``/v1`` route). Loading reads
+  and checks the adapter before answering (400 with the reason when it does not fit the model);
+  removing one lets running requests finish with it.
 
 The engine is created by ``load`` in a worker thread once the app starts, so the port answers
 (``/health`` = 503) while weights load.
@@ -23,12 +29,13 @@ from contextlib import asynccontextmanager
 from typing import Any, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpilot.server.errors import APIError, install_handlers
 from kvpilot.server.metrics import PrometheusStatLogger
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvpilot.server.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest, ModelCard,
+                                     ModelList, UnloadLoRAAdapterRequest)
 from kvpilot.server.serving_chat import create_chat_completion
 from kvpilot.server.serving_completion import create_completion
 from kvpilot.server.state import ServerState
@@ -124,7 +131,45 @@ def create_app(state: ServerState, load: Optional[Callable[[], Any]] = None,
     @v1.get("/models")
     async def models() -> ModelList:
         max_len = state.llm.max_seq_len if state.llm is not None else None
-        return ModelList(data=[ModelCard(id=state.served_model_name, root=state.model_path, max_model_len=max_len)])
+        cards = [ModelCard(id=state.served_model_name, root=state.model_path, max_model_len=max_len)]
+        cards += [ModelCard(id=name, root=req.lora_path, parent=state.served_model_name, max_model_len=max_len)
+                  for name, req in state.lora_modules.items()]
+        return ModelList(data=cards)
+
+    def require_lora() -> None:
+        if not state.lora_enabled:
+            raise APIError("LoRA adapters are not enabled on this server (start it with --enable-lora)")
+
+    @v1.post("/load_lora_adapter", dependencies=[Depends(require_ready), Depends(require_lora)])
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        name = body.lora_name
+        if name in state.lora_modules:
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        if name == state.served_model_name:
+            raise APIError(f"'{name}' is the base model's name", param="lora_name")
+        from kvpilot.lora.config import LoRARequest
+
+        probe = LoRARequest(name, state._next_lora_id, body.lora_path)
+        try:
+            await asyncio.to_thread(state.llm.lora_cache.get, probe)
+        except (OSError, ValueError) as exc:
+            raise APIError(f"could not load the lora adapter '{name}': {exc}", param="lora_path") from None
+        if name in state.lora_modules:  # loaded concurrently under the same name
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        state.add_lora(name, body.lora_path)
+        logger.info("loaded LoRA adapter %s from %s", name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @v1.post("/unload_lora_adapter", dependencies=[Depends(require_ready), Depends(require_lora)])
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        name = body.lora_name
+        req = state.lora_modules.pop(name, None)
+        if req is None:
+            raise APIError(f"The lora adapter '{name}' cannot be found.", status=404, param="lora_name",
+                           code="model_not_found")
+        state.llm.lora_cache.remove(req.lora_int_id)
+        logger.info("unloaded LoRA adapter %s", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def _probe(ok: bool, message: str) -> JSONResponse:
         if ok:

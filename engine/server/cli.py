@@ -21,6 +21,8 @@ from kvpilot.config import KV_CACHE_DTYPES
 from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
+from kvpilot.server.reasoning import REASONING_PARSERS
+from kvpilot.server.tool_parsers import TOOL_PARSERS
 from kvpilot.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -58,11 +60,20 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="KV-cache element type: auto (the model's), fp8 (E4M3, half the memory), or a "
                              "16/32-bit float type")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantize a 16/32-bit checkpoint's linear weights at load: fp8 (E4M3, per-channel "
+                             "scales, per-token activations; QuantConfig(quant_algo='FP8')). Default: none; "
+                             "FP8 checkpoints (ModelOpt, compressed-tensors, block-wise) need no flag")
     parser.add_argument("--dtype", default="auto",
                         help="weights' dtype: auto (the checkpoint's 16-bit type on GPU, float32 on CPU), "
                              "bfloat16, float16, float32")
     parser.add_argument("--device", default="auto",
                         help="auto (CUDA when available, else CPU), cuda, cuda:N or cpu")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, as a JSON object: {"decoding_type": "NGram", "max_draft_len": 4, '
+                             '"max_matching_ngram_size": 4} or {"decoding_type": "DraftTarget", "max_draft_len": 4, '
+                             '"speculative_model": DIR_OR_HUB_ID} (default: none, no speculation; '
+                             'docs/speculative_decoding.md)')
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--served-model-name", default=None,
                         help="the name clients put in requests' 'model' field and /v1/models lists "
@@ -77,6 +88,36 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="'vllm' also exports every metric under vLLM's vllm: names")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds running requests get to finish after SIGTERM (default 30)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters: each is a model name clients put in 'model' (docs/lora.md)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], type=lora_module, metavar="NAME=PATH",
+                        help="adapters to load at start-up, as name=path or vLLM's JSON "
+                             "'{\"name\": ..., \"path\": ...}' (needs --enable-lora)")
+    parser.add_argument("--max-loras", type=int, default=4,
+                        help="LoRA adapters resident on the GPU at once (default 4)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest LoRA rank accepted (default 16)")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="LoRA adapters kept in host memory (default: max(--max-loras, adapters listed))")
+    parser.add_argument("--moe-backend", default="TRITON", type=str.upper, choices=["TRITON", "TORCH"],
+                        help="mixture-of-experts kernels: TRITON (fused, default) or TORCH (the PyTorch "
+                             "reference); MoeConfig(backend=...) (docs/models.md)")
+    parser.add_argument("--moe-expert-parallel-size", type=int, default=None,
+                        help="MoE models: expert groups the tensor-parallel ranks form (must divide "
+                             "--tensor-parallel-size and the expert count; default 1)")
+    parser.add_argument("--moe-tensor-parallel-size", type=int, default=None,
+                        help="MoE models: ways each expert is split (default: --tensor-parallel-size / "
+                             "--moe-expert-parallel-size)")
+    parser.add_argument("--guided-decoding-backend", choices=["xgrammar", "none"], default="xgrammar",
+                        help="grammar engine for response_format / guided_* / forced tool calls; 'none' refuses "
+                             "them (default xgrammar; docs/structured_output.md)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                        help="parse the model's tool calls into tool_calls under tool_choice 'auto' "
+                             "(docs/tool_calling.md); default none: 'auto' replies are text")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility: --tool-call-parser alone enables parsing (default off)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split <think>...</think> reasoning into reasoning_content (docs/tool_calling.md); "
+                             "default none")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's own log level: debug, info, warning, error")
 
@@ -90,6 +131,29 @@ def port_number(value: str) -> int:
 
 
 port_number.__name__ = "port (1-65535)"  # argparse names the type in its error message
+
+
+def lora_module(value: str) -> tuple[str, str]:
+    """``--lora-modules``' type: ``name=path``, or vLLM's JSON ``{"name": ..., "path": ...}``
+    (``base_model_name`` accepted and ignored)."""
+    import json
+
+    if value.lstrip().startswith("{"):
+        try:
+            obj = json.loads(value)
+            name, path = obj["name"], obj["path"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(value) from None
+    else:
+        name, sep, path = value.partition("=")
+        if not sep:
+            raise ValueError(value)
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(value)
+    return name, path
+
+
+lora_module.__name__ = "LoRA module (name=path or JSON)"
 
 
 def bind_listen_socket(host: str, port: int) -> socket.socket:
@@ -120,13 +184,36 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _lora_config(args: argparse.Namespace) -> Any:
+    """The `LoraConfig` of ``--enable-lora`` and its flags (None without it); every
+    ``--lora-modules`` path is read at start-up."""
+    if not getattr(args, "enable_lora", False):
+        return None
+    from kvpilot.lora.config import LoraConfig
+
+    return LoraConfig(lora_dir=[p for _, p in args.lora_modules], max_loras=args.max_loras,
+                      max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from kvpilot import KvCacheConfig
 
     kv = KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
                        enable_block_reuse=args.enable_block_reuse and not args.no_prefix_caching,
                        tokens_per_block=args.tokens_per_block, dtype=args.kv_cache_dtype)
-    return dict(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+    from kvpilot.config import QuantConfig
+
+    lora = _lora_config(args)
+    extra = {"lora_config": lora} if lora is not None else {}
+    if getattr(args, "quantization", None) == "fp8":
+        extra["quant_config"] = QuantConfig(quant_algo="FP8")
+    from kvpilot.config import MoeConfig
+
+    extra["moe_config"] = MoeConfig(backend=getattr(args, "moe_backend", "TRITON"))
+    for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
+    return dict(**extra, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
                 max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                 max_seq_len=args.max_seq_len, kv_cache_config=kv, device=args.device, dtype=args.dtype,
                 revision=args.revision)
@@ -136,8 +223,11 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
     from kvpilot import LLM
 
+    backend = getattr(args, "guided_decoding_backend", "xgrammar")
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
-               trust_remote_code=args.trust_remote_code, **_engine_kwargs(args))
+               trust_remote_code=args.trust_remote_code, speculative_config=args.speculative_config,
+               guided_decoding_backend=None if backend == "none" else backend,
+               **_engine_kwargs(args))
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -147,7 +237,8 @@ def preflight(args: argparse.Namespace) -> None:
     Raises:
         FileNotFoundError: MODEL is written as a local path (``/``, ``./``, ``../`` or ``~`` first)
             and is not a directory. Other names may be Hub ids and are left to `kvpilot.LLM`.
-        ValueError: a bad ``--device`` (`DeviceUnavailableError` included) or ``--max-seq-len``.
+        ValueError: a bad ``--device`` (`DeviceUnavailableError` included), ``--max-seq-len``,
+            ``--speculative-config`` or MoE layout (`kvpilot.config.check_moe_parallelism`).
     """
     from pathlib import Path
 
@@ -156,6 +247,25 @@ def preflight(args: argparse.Namespace) -> None:
     from kvpilot.runner.model_runner import check_device
 
     check_device(args.device)
+    from kvpilot.config import check_moe_parallelism
+
+    check_moe_parallelism(args.tensor_parallel_size, getattr(args, "moe_expert_parallel_size", None),
+                          getattr(args, "moe_tensor_parallel_size", None))
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None:
+        from kvpilot.spec_decode.config import parse_speculative_config
+
+        parse_speculative_config(speculative)
+        if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config needs --tensor-parallel-size 1 and --pipeline-parallel-size 1")
+    if getattr(args, "lora_modules", None) and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if getattr(args, "enable_lora", False):
+        _lora_config(args)  # bad counts are one line now
+        names = [n for n, _ in args.lora_modules]
+        dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
+        if dup:
+            raise ValueError(f"--lora-modules: name(s) {', '.join(dup)} used twice (or the base model's name)")
     if args.model.startswith(("/", "./", "../", "~")) and not Path(args.model).expanduser().is_dir():
         raise FileNotFoundError(f"model {args.model!r}: no such directory (expected a Hugging Face checkpoint "
                                 f"directory with config.json, *.safetensors and tokenizer files)")
@@ -219,7 +329,10 @@ def run(args: argparse.Namespace) -> int:
 
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
-        return run_lws_worker(args.model, group=group, **_engine_kwargs(args))
+        kwargs = _engine_kwargs(args)
+        # The leader's front end checks adapters; every rank reads them from the plan's requests.
+        lora = kwargs.pop("lora_config", None)
+        return run_lws_worker(args.model, group=group, lora_config=lora, **kwargs)
     try:
         template = load_chat_template(args.chat_template)
         preflight(args)
@@ -232,7 +345,10 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc.strerror or exc)
         return 1
     state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
-                        chat_template=template, api_key=args.api_key or None)
+                        chat_template=template, api_key=args.api_key or None, lora_enabled=args.enable_lora,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    for name, path in args.lora_modules:
+        state.add_lora(name, path)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)
     app = create_app(state, load=lambda: build_engine(args), metrics_prefixes=prefixes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,

@@ -9,6 +9,10 @@ metrics are thread-safe, so the HTTP thread can render ``/metrics`` while the en
 Conventions from vLLM's ``vllm/v1/metrics/loggers.py`` (v0.11): counters drop ``_total`` from their
 name (prometheus-client appends it on the wire), prefix-cache counters count tokens, every series
 has the label ``model_name``, ``request_success`` adds ``finished_reason`` (stop / length / abort).
+With LoRA, ``lora_requests_info`` is vLLM's info gauge: one series labelled ``max_lora``,
+``running_lora_adapters`` and ``waiting_lora_adapters`` (adapter names joined by commas) whose
+value is the time of the last step, in seconds since the epoch; the series of the previous label
+values is removed when they change (vLLM keeps every combination it has seen).
 With ``compat_prefixes=("kvpilot:", "vllm:")`` the same values are also exported under ``vllm:``
 so that vLLM dashboards and KEDA rules work unchanged.
 """
@@ -125,6 +129,16 @@ class PrometheusStatLogger:
                             buckets=PARAMS_N_BUCKETS)
         self.params_max_tokens = fam(Histogram, "request_params_max_tokens",
                                      "Histogram of the max_tokens request parameter.", buckets=token_buckets)
+        # Speculative decoding (vLLM's spec_decode counters; docs/speculative_decoding.md).
+        self.spec_drafts = fam(Counter, "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = fam(Counter, "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = fam(Counter, "spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_pos = fam(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted tokens per draft position.", extra=("position",))
+        self.lora_info = fam(Gauge, "lora_requests_info", "Running stats on lora requests.",
+                             extra=("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                             multiprocess_mode="mostrecent")
+        self._lora_labels: Optional[tuple[str, ...]] = None
 
     def __call__(self, stats: IterationStats) -> None:
         """Record one engine step (called from the engine thread; never raises into the engine)."""
@@ -149,11 +163,29 @@ class PrometheusStatLogger:
             if value:
                 for c in family.children():
                     c.inc(value)
+        if stats.max_lora:
+            labels = (str(stats.max_lora), ",".join(stats.waiting_lora_adapters),
+                      ",".join(stats.running_lora_adapters))
+            if self._lora_labels is not None and self._lora_labels != labels:
+                for m in self.lora_info._metrics:
+                    m.remove(self.model_name, *self._lora_labels)
+            self._lora_labels = labels
+            for c in self.lora_info.children(*labels):
+                c.set(stats.timestamp)
         step_tokens = stats.num_prompt_tokens + stats.num_generation_tokens
         if step_tokens:
             _observe(self.iteration_tokens, [step_tokens])
         _observe(self.ttft, stats.ttft)
         _observe(self.itl, stats.inter_token_latencies)
+        spec = stats.spec_decode
+        if spec is not None:
+            for family, value in ((self.spec_drafts, spec.num_drafts), (self.spec_draft_tokens, spec.num_draft_tokens),
+                                  (self.spec_accepted, spec.num_accepted_tokens)):
+                for c in family.children():
+                    c.inc(value)
+            for pos, value in enumerate(spec.accepted_per_pos):
+                for c in self.spec_accepted_pos.children(str(pos)):
+                    c.inc(value)
         for req in stats.finished:
             for c in self.success.children(req.finish_reason):
                 c.inc()

@@ -21,7 +21,7 @@ from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
-from kvpilot.server.sampling import generation_defaults, check_context, completion_params
+from kvpilot.server.sampling import check_context, compile_guided, completion_params, generation_defaults, guided_params
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_bytes,
                         token_text, until_disconnect, wait_all)
@@ -30,16 +30,21 @@ logger = logging.getLogger(__name__)
 
 
 def check_model(state: ServerState, model: Optional[str]) -> str:
-    """The served model name, or a 404 when the client asked for another model."""
-    if model is not None and model != state.served_model_name:
-        raise APIError(f"The model `{model}` does not exist; this server serves `{state.served_model_name}`",
-                       status=404, param="model", code="model_not_found")
-    return state.served_model_name
+    """The model name the response carries: the served model's, or a LoRA adapter's
+    (`ServerState.lora_modules`); a 404 when the client asked for any other model."""
+    if model is None or model == state.served_model_name:
+        return state.served_model_name
+    if model in state.lora_modules:
+        return model
+    names = ", ".join(f"`{n}`" for n in [state.served_model_name, *state.lora_modules])
+    raise APIError(f"The model `{model}` does not exist; this server serves {names}",
+                   status=404, param="model", code="model_not_found")
 
 
 def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
-           prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> list[RequestOutput]:
-    """Queue one engine request per prompt.
+           prompt_param: str = "prompt", max_tokens_param: str = "max_tokens",
+           lora_request: Any = None) -> list[RequestOutput]:
+    """Queue one engine request per prompt (with the LoRA adapter ``lora_request``, if not None).
 
     Raises:
         APIError: 400 when the engine refuses a prompt (after aborting those already queued; the
@@ -49,7 +54,10 @@ def submit(llm: Any, prompts: list[list[int]], params: Any, streaming: bool,
     outputs: list[RequestOutput] = []
     try:
         for ids in prompts:
-            outputs.append(llm.generate_async(ids, params, streaming=streaming))
+            if lora_request is None:
+                outputs.append(llm.generate_async(ids, params, streaming=streaming))
+            else:
+                outputs.append(llm.generate_async(ids, params, streaming=streaming, lora_request=lora_request))
     except (ValueError, TypeError) as exc:
         for out in outputs:
             out.abort(wait=False)
@@ -142,13 +150,14 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # One SamplingParams for all prompts: without max_tokens, what is left after the longest prompt.
     max_tokens = min(check_context(len(ids), req.max_tokens, llm.max_seq_len, "max_tokens") for ids in prompt_ids)
     params = completion_params(req, max_tokens, generation_defaults(llm))
+    await compile_guided(llm, params, guided_params(req)[1])
     if req.echo:
         # A token-id prompt is echoed as its text, without the special tokens (BOS) the text of a
         # string prompt does not hold either.
         prompt_texts = [t if t is not None else tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
                         for t, ids in zip(prompt_texts, prompt_ids)]
     request_id = random_id("cmpl")
-    outputs = submit(llm, prompt_ids, params, streaming=bool(req.stream))
+    outputs = submit(llm, prompt_ids, params, streaming=bool(req.stream), lora_request=state.lora_request(model))
     if req.stream:
         return EngineStreamingResponse(_stream(state, req, model, request_id, outputs, prompt_ids, prompt_texts),
                                        state, outputs)

@@ -28,6 +28,11 @@ class ServerState:
         registry: the Prometheus registry ``/metrics`` renders.
         load_error: why loading failed, if it did (``/health`` stays 503).
         draining: set on SIGTERM: ``/health`` and new requests get 503 while running ones finish.
+        lora_enabled: ``--enable-lora``: requests may name a LoRA adapter as their ``model``.
+        lora_modules: adapter name -> `kvpilot.executor.LoRARequest` (``--lora-modules`` and
+            ``/v1/load_lora_adapter``); each gets an id never used before in this process.
+        tool_call_parser: ``--tool-call-parser`` (`kvpilot.server.tool_parsers.TOOL_PARSERS`), or None.
+        reasoning_parser: ``--reasoning-parser`` (`kvpilot.server.reasoning.REASONING_PARSERS`), or None.
     """
 
     served_model_name: str
@@ -38,6 +43,11 @@ class ServerState:
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
     load_error: Optional[BaseException] = None
     draining: bool = False
+    lora_enabled: bool = False
+    lora_modules: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
+    _next_lora_id: int = 1
     _active_http: int = 0
     _outputs: set = field(default_factory=set)
     _idle: Optional[asyncio.Event] = None
@@ -46,6 +56,19 @@ class ServerState:
     def ready(self) -> bool:
         """True when requests can be served: the engine is loaded and the server is not draining."""
         return self.llm is not None and not self.draining
+
+    def add_lora(self, name: str, path: str) -> Any:
+        """Register adapter ``name`` at ``path`` under a fresh ``lora_int_id``; returns its `LoRARequest`."""
+        from kvpilot.lora.config import LoRARequest
+
+        req = LoRARequest(name, self._next_lora_id, path)
+        self._next_lora_id += 1
+        self.lora_modules[name] = req
+        return req
+
+    def lora_request(self, model: Optional[str]) -> Any:
+        """The `LoRARequest` of the adapter named ``model``, or None (the base model, or unknown)."""
+        return self.lora_modules.get(model) if model is not None else None
 
     @property
     def num_active(self) -> int:

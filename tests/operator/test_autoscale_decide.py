@@ -50,10 +50,11 @@ CASES = [
     ("float noise", (0.7, 0.7, 0.0), 3, dict(target_kv_cache_utilization=0.7), 2),
     # scale-up, a silent pod counts as empty: ratio 1.8 -> (0.9+0.9+0)/3/0.5 = 1.2 -> ceil(3.6) = 4
     ("missing as empty on the way up", (0.9, 0.9, None), 3, {}, 4),
-    # scale-down, silent pod as full: (0.6 + 1.0) / 0.5 = 3.2 -> 4 (without it: ceil(1.2) = 2)
-    ("missing as full on the way down", (0.1,) * 6 + (None,), 7, {}, 4),
-    # filling the silent pods in flips the direction (ratio 0.2 -> 1.1): stay
-    ("missing flips down to up", (0.1, 0.1, None, None), 4, {}, 4),
+    # scale-down, silent pod at the target: (0.6 + 0.5) / 0.5 = 2.2 -> 3 (without it: ceil(1.2) = 2)
+    ("missing at target on the way down", (0.1,) * 6 + (None,), 7, {}, 3),
+    # two silent pods at the target: (0.2 + 1.0) / 0.5 = 2.4 -> 3; counted as full they would
+    # flip the direction ((0.2 + 2.0) / 4 / 0.5 = 1.1) and hold all 4
+    ("missing at target never flips down to up", (0.1, 0.1, None, None), 4, {}, 3),
     # ratio 1.2 with one pod; filled: 0.6/2/0.5 = 0.6 flips to down: stay
     ("missing flips up to down", (0.6, None), 2, {}, 2),
     # pods not created yet (current 2, one sample) count as missing: (1.0+0)/2/0.4 = 1.25 -> ceil(2.5) = 3
@@ -279,3 +280,69 @@ def test_decision_scaled_flag():
     d: Decision = decide(pods(0.5, 0.5), 2, policy(), ScalingHistory(), 0.0)
     assert not d.scaled
     assert decide(pods(1.0, 1.0), 2, policy(), ScalingHistory(), 0.0).scaled
+
+
+# Scale-down with pods whose /metrics fail: HPA's calcPlainMetricReplicas counts them at the target.
+# (per-pod KV, None = the pod's /metrics failed; current; target; expected desired)
+MISSING_DOWN = [
+    # idle pods and one broken: (0 + 0 + 0 + 0.7) / 0.7 = 1 -> 1 (counted as full: ceil(1/0.7) = 2)
+    ((0.0, 0.0, 0.0, None), 4, 0.7, 1),
+    # (0.05 * 3 + 0.7) / 0.7 = 1.21 -> 2: the broken pod keeps only its own replica
+    ((0.05, 0.05, 0.05, None), 4, 0.7, 2),
+    # two broken of six: (0.4 + 1.0) / 0.5 = 2.8 -> 3 (counted as full: (0.4 + 2.0) / 0.5 = 4.8 -> 5)
+    ((0.1, 0.1, 0.1, 0.1, None, None), 6, 0.5, 3),
+    # pods not created yet count as missing too: one sample of 0.1 of 3 wanted -> (0.1 + 1.0) / 0.5 = 2.2 -> 3
+    ((0.1,), 3, 0.5, 3),
+]
+
+
+@pytest.mark.parametrize("kv,current,target,expected", MISSING_DOWN)
+def test_missing_pods_count_at_target_on_scale_down(kv, current, target, expected):
+    d = decide(pods(*kv), current, policy(target_kv_cache_utilization=target), ScalingHistory(), 0.0)
+    assert d.desired_replicas == expected
+    assert d.missing_counted_as == target and d.pods_missing == current - sum(u is not None for u in kv)
+
+
+def test_scale_down_with_a_broken_pod_reaches_the_bottom():
+    """Load drops to zero while one pod's /metrics keeps failing: once the window has passed the
+    count falls to one pod for the broken one, not one short of it (the ReplicaSet may keep the
+    broken pod; the remaining count must not depend on which pod it keeps)."""
+    pol = policy(target_kv_cache_utilization=0.7, max_replicas=4, scale_down_stabilization_s=8)
+    history, current, out = ScalingHistory(), 4, []
+    for t in range(0, 20):
+        samples = [PodMetrics.missing("broken", "HTTPStatusError: 500")] + \
+            [PodMetrics(f"p{i}", 0.0, 0, 0) for i in range(current - 1)]
+        d = decide(samples, current, pol, history, float(t))
+        history, current = d.history, d.desired_replicas
+        out.append(current)
+    # t=0 seeds the window with 4; from t=8 the highest recommendation left in (t-8, t] is 1
+    assert out == [4] * 8 + [1] * 12
+
+
+def test_missing_pods_named_and_counted_in_conditions():
+    samples = [PodMetrics("a", 0.1, 0, 0), PodMetrics("b", 0.1, 0, 0), PodMetrics.missing("c", "ReadTimeout: timed out")]
+    d = decide(samples, 4, policy(), ScalingHistory(), 0.0)
+    # c and the fourth pod (not created yet) at the target: (0.2 + 1.0) / 0.5 = 2.4 -> 3
+    assert d.desired_replicas == 3 and d.pods_missing == 2 and d.missing_pods == ("c",)
+    conds = {c["type"]: c for c in d.conditions()}
+    assert conds["ScalingActive"]["status"] == "True"
+    assert conds["ScalingActive"]["message"] == (
+        "the replica count is computed from KV-cache utilisation of 2 of 4 pods; 2 pods gave no metrics "
+        "(counted at 0.5, the target, on a scale-down)")
+    assert conds["MetricsAvailable"]["message"] == "2 of 4 pods reported KV-cache utilisation; no sample from c"
+    assert d.message.endswith("recommends 3 (2 pods gave no metrics, counted at 0.5)")
+
+
+def test_missing_pod_counted_empty_on_scale_up_in_condition():
+    d = decide([PodMetrics("a", 0.9, 0, 0), PodMetrics.missing("b", "500")], 2, policy(), ScalingHistory(), 0.0)
+    # up: (0.9 + 0) / 2 / 0.5 = 0.9 -> inside the tolerance: stay
+    assert (d.desired_replicas, d.missing_counted_as) == (2, 0.0)
+    active = next(c for c in d.conditions() if c["type"] == "ScalingActive")
+    assert active["message"].endswith("1 pod gave no metrics (counted at 0, empty, on a scale-up)")
+
+
+def test_no_missing_pods_keep_the_plain_condition():
+    d = decide(pods(0.5, 0.5), 2, policy(), ScalingHistory(), 0.0)
+    assert d.missing_counted_as is None and d.missing_pods == ()
+    assert next(c for c in d.conditions() if c["type"] == "ScalingActive")["message"] == \
+        "the replica count is computed from KV-cache utilisation"

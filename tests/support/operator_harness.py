@@ -52,7 +52,9 @@ EMULATED = {
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, {"status"}),
     "serving.kvpilot.io/v1alpha1/llmdeployments": ("LLMDeployment", True, {"status", "scale"}),
     "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set()),
+    "autoscaling/v2/horizontalpodautoscalers": ("HorizontalPodAutoscaler", True, {"status"}),
 }
+KEDA = {"keda.sh/v1alpha1/scaledobjects": ("ScaledObject", True, {"status"})}
 LWS = {"leaderworkerset.x-k8s.io/v1/leaderworkersets": ("LeaderWorkerSet", True, {"status", "scale"})}
 
 
@@ -190,9 +192,11 @@ class OperatorEnv:
             await asyncio.sleep(interval)
 
 
-def declare_resources(emulator: kmock.KubernetesEmulator, with_lws: bool = True) -> None:
-    """Declare every resource the operator uses, so discovery (kopf's and ours) finds them."""
-    for path, (kind, namespaced, subresources) in {**EMULATED, **(LWS if with_lws else {})}.items():
+def declare_resources(emulator: kmock.KubernetesEmulator, with_lws: bool = True, with_keda: bool = False) -> None:
+    """Declare every resource the operator uses, so discovery (kopf's and ours) finds them;
+    KEDA's ScaledObjects only with ``with_keda`` (a cluster without KEDA is the default)."""
+    extra = {**(LWS if with_lws else {}), **(KEDA if with_keda else {})}
+    for path, (kind, namespaced, subresources) in {**EMULATED, **extra}.items():
         emulator.resources[path] = {
             "kind": kind, "singular": kind.lower(), "namespaced": namespaced, "subresources": subresources,
             "verbs": {"get", "list", "watch", "create", "patch", "delete"},

@@ -64,8 +64,8 @@ def test_a_quantization_method_owns_storage_product_and_load_hooks():
 
 def test_quantized_checkpoints_are_refused_by_name():
     assert isinstance(get_quantization_method({}), UnquantizedLinearMethod)
-    with pytest.raises(UnsupportedQuantizationError, match="'fp8'"):
-        get_quantization_method({"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(UnsupportedQuantizationError, match="'bitsandbytes'"):
+        get_quantization_method({"quantization_config": {"quant_method": "bitsandbytes"}})
 
 
 def test_tensor_parallel_shapes_of_the_linear_layers():

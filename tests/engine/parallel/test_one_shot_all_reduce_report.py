@@ -106,7 +106,7 @@ def _spec(tp: int, pp: int, device: str, pods: int = 1, tuning=None):
 
     group = LwsGroup("10.0.0.1", pods, 0, 29500) if pods > 1 else None
     return make_worker_spec(Path("/nonexistent"), _cfg(), KvCacheConfig(), 64, 4, 128, device, "float32",
-                            tp, pp, group, tuning)
+                            tp, pp, group, tuning=tuning)
 
 
 @pytest.mark.parametrize("value,error", [("0", ValueError), ("-3", ValueError), ('"lots"', ValueError)])

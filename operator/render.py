@@ -359,6 +359,9 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         "resources": _resources(spec, shape.gpus_per_pod),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        # An engine that refuses to start (e.g. a TP size that does not split the heads) exits
+        # with the reason as its last log line; the kubelet keeps it for the ModelLoaded condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
     if leader:
@@ -390,6 +393,7 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
             "command": ["hf", "download", repo, "--revision", revision, "--local-dir", dest],
             "env": [copy.deepcopy(e) for e in env if e["name"] in ("HF_HOME", "HOME", "HF_TOKEN")],
             "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
             "securityContext": _container_security(),
         } for name, repo, revision, dest in downloads]
     for key in ("nodeSelector", "tolerations", "affinity"):

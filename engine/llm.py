@@ -67,7 +67,7 @@ class LLM:
             docs/speculative_decoding.md.
         lora_config: `kvpilot.llmapi.LoraConfig` to serve PEFT LoRA adapters (docs/lora.md); requests
             pick one with ``lora_request``. Adapters are sharded like their base layers under tensor
-            parallelism; pipeline parallelism is not supported.
+            parallelism; each pipeline stage holds its layers' share.
         moe_config: `MoeConfig` (mixture-of-experts kernels; ignored by dense models).
         moe_expert_parallel_size, moe_tensor_parallel_size: how an MoE model's
             ``tensor_parallel_size`` ranks share the experts (TensorRT-LLM's names; their product is
@@ -89,9 +89,8 @@ class LLM:
             cannot be fetched (`kvpilot.model.hub.ModelNotFoundError`).
         PermissionError: a gated Hub repo without a token that may read it.
         ValueError: an argument outside its allowed range (``max_seq_len`` past the model's
-            positions included); an unsupported architecture; ``lora_config`` with tensor or
-            pipeline parallelism (``pipeline_parallel_size`` > 1), or an adapter of ``lora_config.lora_dir`` that does not fit the model
-            (`kvpilot.lora.adapter.LoRAAdapterError`).
+            positions included); an unsupported architecture; an adapter of
+            ``lora_config.lora_dir`` that does not fit the model (`kvpilot.lora.adapter.LoRAAdapterError`).
         kvpilot.runner.model_runner.DeviceUnavailableError: ``device`` names CUDA on a CPU-only
             torch build, with no GPU visible, or past the last GPU.
         TypeError: an unknown argument.
@@ -126,9 +125,6 @@ class LLM:
 
             if not isinstance(lora_config, LoraConfig):
                 raise TypeError(f"lora_config must be a kvpilot.llmapi.LoraConfig, got {type(lora_config).__name__}")
-            if pipeline_parallel_size > 1:
-                raise ValueError("lora_config is not supported with pipeline parallelism "
-                                 "(pipeline_parallel_size must be 1)")
         self.lora_config = lora_config
         if moe_config is not None and not isinstance(moe_config, MoeConfig):
             raise TypeError(f"moe_config must be a kvpilot.llmapi.MoeConfig, got {type(moe_config).__name__}")
@@ -287,7 +283,8 @@ class LLM:
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
             if compiled is not None:
                 req.seqs[-1].guide = self._guided.guide(
-                    compiled, [params.end_id] if params.end_id is not None else None)
+                    compiled, [params.end_id] if params.end_id is not None else None,
+                    params.guided_decoding.start_after)
         return req
 
     def guided_backend(self) -> GuidedDecodingBackend:

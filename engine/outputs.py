@@ -124,13 +124,16 @@ class RequestUpdate:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps of one request, `time.monotonic()` seconds."""
+    """Timestamps of one request, `time.monotonic()` seconds; with speculative decoding, the drafted
+    tokens its sequences verified and how many of them were accepted (docs/speculative_decoding.md)."""
 
     arrival_time: float = 0.0
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class RequestOutput:

@@ -34,9 +34,9 @@ import kopf
 from . import apply as kube
 from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
-from .render import LWS_API_VERSION, MANAGED_BY, desired_replicas, render, surge_selector, workload_kind
+from .render import LWS_API_VERSION, MANAGED_BY, OWNER_LABEL, desired_replicas, render, surge_selector, workload_kind
 from .status import desired_status, merge_conditions, now_rfc3339, status_patch
-from . import foreign
+from . import engine_failures, foreign
 from .events import EVENT_SOURCE, warning_event  # noqa: F401  (EVENT_SOURCE re-exported)
 from .status_writer import update_status
 # Registers the autoscaling daemon (one per LLMDeployment with spec.autoscaling.enabled).
@@ -413,4 +413,42 @@ def foreign_scaler_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger
     except (kube.NotOwnedError, kube.ApiError, OSError) as exc:
         logger.warning("could not sync %s/%s after a change of %s %s: %s", ns, target[2], obj.get("kind"),
                        obj["metadata"].get("name"), exc)
+
+
+@kopf.on.event("", "v1", "pods", labels=CHILD_LABELS)
+def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Carry why an engine pod does not start (or that one serves) into its LLMDeployment's
+    ``ModelLoaded`` condition (operator/engine_failures.py), with a Warning Event when it turns
+    False. Written only when the condition's status or reason changes, so a crash-looping
+    deployment does not rewrite its status on every restart."""
+    if type == "DELETED":
+        return
+    pod = _as_dict(body)
+    meta = pod.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(OWNER_LABEL)
+    cond = engine_failures.model_loaded_condition(pod)
+    if not owner or cond is None:
+        return
+    client: kube.KubeClient = memo.kube
+    ns = meta.get("namespace") or "default"
+    changed: list[dict[str, Any]] = []
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        old = (fresh.get("status") or {}).get("conditions") or []
+        prev = next((c for c in old if c.get("type") == engine_failures.CONDITION), None)
+        if prev is None and cond["status"] == "True":
+            pass  # the first pod to serve says so
+        elif prev is not None and (prev.get("status"), prev.get("reason")) == (cond["status"], cond["reason"]):
+            return None
+        changed.append(fresh)
+        return {"conditions": merge_conditions(old, [cond], now_rfc3339())}
+
+    try:
+        update_status(client, ns, owner, compute)
+        if changed and cond["status"] == "False":
+            logger.warning("%s/%s: %s", ns, owner, cond["message"])
+            client.request("POST", kube.resource_path("v1", "events", ns),
+                           warning_event(changed[0], cond["reason"], cond["message"]))
+    except (kube.ApiError, OSError) as exc:
+        logger.warning("could not report %s on %s/%s: %s", engine_failures.CONDITION, ns, owner, exc)
 

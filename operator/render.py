@@ -359,6 +359,9 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         "resources": _resources(spec, shape.gpus_per_pod),
         "volumeMounts": mounts,
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        # An engine that refuses to start (e.g. a TP size that does not split the heads) exits
+        # with the reason as its last log line; the kubelet keeps it for the ModelLoaded condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
     if leader:
@@ -377,11 +380,10 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
         if pod_settings.get(key) not in (None, [], ""):
             pod[key] = copy.deepcopy(pod_settings[key])
     downloads = [("download-model", hub_id, spec["model"].get("revision") or "main", path)] if hub_id else []
-    # LoRA adapters from the Hub: one download each, into the same volume (leader pods only: the
-    # engine that serves them runs there).
-    if leader:
-        downloads += [(f"download-lora-{i}", src, rev, dest)
-                      for i, (_, dest, src, rev) in enumerate(lora_adapters(cr)) if src is not None]
+    # LoRA adapters from the Hub: one download each, into the same volume (every pod: each rank
+    # reads the adapters of its layers).
+    downloads += [(f"download-lora-{i}", src, rev, dest)
+                  for i, (_, dest, src, rev) in enumerate(lora_adapters(cr)) if src is not None]
     if downloads:
         # Download once into the storage volume; the engine then loads a local directory, so a
         # pinned revision is honoured and restarts on a PVC skip the download.
@@ -391,6 +393,7 @@ def _pod_spec(cr: dict[str, Any], leader: bool) -> dict[str, Any]:
             "command": ["hf", "download", repo, "--revision", revision, "--local-dir", dest],
             "env": [copy.deepcopy(e) for e in env if e["name"] in ("HF_HOME", "HOME", "HF_TOKEN")],
             "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
             "securityContext": _container_security(),
         } for name, repo, revision, dest in downloads]
     for key in ("nodeSelector", "tolerations", "affinity"):

@@ -94,6 +94,16 @@ def merge_conditions(old: list[dict[str, Any]], new: list[dict[str, Any]], now: 
     return [by_type[t] for t in order]
 
 
+def model_status(spec: dict[str, Any]) -> dict[str, str]:
+    """``status.model``: the model name and, for a Hugging Face Hub id (downloaded by the pods),
+    the revision the pods download (``spec.model.revision``, default ``main``)."""
+    model = spec["model"]
+    name = model["name"]
+    if name.startswith("pvc://") or name.startswith("/"):
+        return {"name": name}
+    return {"name": name, "revision": model.get("revision") or "main"}
+
+
 def desired_status(cr: dict[str, Any], child: dict[str, Any] | None, now: str,
                    observed_generation: bool = False) -> dict[str, Any]:
     """The status kvpilot owns, for a defaulted CR and its live workload.
@@ -118,6 +128,7 @@ def desired_status(cr: dict[str, Any], child: dict[str, Any] | None, now: str,
         "endpoint": endpoint(cr),
         "parallelism": f"{shape.tensor}x{shape.pipeline}",
         "workload": workload_kind(cr),
+        "model": model_status(spec),
         "conditions": merge_conditions(old.get("conditions") or [], workload_conditions(cr, child), now,
                                        generation if observed_generation else None),
     }

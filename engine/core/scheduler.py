@@ -40,8 +40,10 @@ A lockstep request that cannot be admitted even into an empty batch and pool can
 
 LoRA (``max_loras`` > 0): the running sequences use at most ``max_loras`` distinct adapters (the
 device's slots, `kvpilot.lora.layers.LoRASlots`). A waiting request whose adapter is not among the
-running ones when they already use ``max_loras`` is not admitted (nor is anything queued behind it)
-until a running adapter's last sequence finishes or is preempted.
+running ones when they already use ``max_loras`` is passed over, keeping its place at the head of
+the queue, and the requests behind it (the base model's, or those of running adapters) are
+admitted in order, as vLLM's scheduler does; it is admitted once a running adapter's last
+sequence finishes or is preempted.
 """
 
 from __future__ import annotations
@@ -323,13 +325,17 @@ class Scheduler:
         # (With nothing left running the pool is empty: the head, preempted or not, is tried in it.)
         slots = len(running) + (self._reserved_slots() if self._lockstep else 0)
         adapters = {s.request.lora_id for s in running} - {None} if self.max_loras else None
+        passed: list[Sequence] = []  # queued sequences whose adapter has no free device slot
         while self.waiting and budget > 0 and slots < self.max_batch_size:
             seq = self.waiting[0]
             if adapters is not None:
                 lid = seq.request.lora_id
                 if lid is not None and lid not in adapters:
-                    if len(adapters) >= self.max_loras:
-                        break  # every device slot is taken by a running adapter
+                    if len(adapters) >= self.max_loras:  # every device slot is taken by a running adapter
+                        req = seq.request
+                        while self.waiting and self.waiting[0].request is req:
+                            passed.append(self.waiting.popleft())
+                        continue
                     adapters.add(lid)
             if seq.request.lockstep:
                 used = self._admit_group(budget, slots, running, out)
@@ -354,6 +360,8 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             slots += 1
+        if passed:
+            self.waiting.extendleft(reversed(passed))  # back at the head, in their order
         return out
 
     def add_forks(self, seqs: list[Sequence]) -> None:

@@ -200,6 +200,31 @@ class LoRASlots:
         self._slot_of: "OrderedDict[int, int]" = OrderedDict()  # lora_int_id -> slot, least recent first
         self._free = list(range(config.max_loras))
         self.loads = 0
+        if device.type == "cuda":
+            from kvpilot.kernels import triton_available
+
+            if triton_available():
+                self.warm_up()
+
+    def warm_up(self) -> int:
+        """Compile the Triton kernels for every projection shape now (one token through an empty
+        slot: nothing changes), so the first step with an adapter does not stall on compilation.
+        Returns the shapes compiled. Runs on CUDA at construction; on CPU only under
+        ``TRITON_INTERPRET=1`` (tests)."""
+        from kvpilot.kernels.lora import lora_apply_triton
+
+        seen = set()
+        tiles = lora_tiles([0], self.device)
+        slot = torch.zeros(1, dtype=torch.int32, device=self.device)
+        for p in self.projections.values():
+            key = (p.a.shape[1], p.a.shape[2], p.b.shape[1], p.a.dtype)
+            if key in seen:
+                continue
+            seen.add(key)
+            x = torch.zeros(1, p.a.shape[2], dtype=p.a.dtype, device=self.device)
+            out = torch.zeros(1, p.b.shape[1], dtype=p.a.dtype, device=self.device)
+            lora_apply_triton(x, out, p.a, p.b, slot, tiles=tiles)
+        return len(seen)
 
     def resident(self) -> list[int]:
         """Ids of the adapters in a slot, least recently used first."""

@@ -906,7 +906,8 @@ class MultiprocExecutor:
 def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                    max_batch_size: int = 256, max_num_tokens: int = 8192, max_seq_len: Optional[int] = None,
                    kv_cache_config: Optional[KvCacheConfig] = None, device: str = "auto", dtype: str = "auto",
-                   group: Optional[LwsGroup] = None, revision: Optional[str] = None, quant_config=None) -> int:
+                   group: Optional[LwsGroup] = None, revision: Optional[str] = None, quant_config=None,
+                   lora_config=None) -> int:
     """Run this pod's ranks of a LeaderWorkerSet group until the leader stops; returns an exit status.
 
     ``kvpilot serve`` calls this instead of building an `LLM` when ``LWS_WORKER_INDEX`` > 0. The
@@ -929,7 +930,7 @@ def run_lws_worker(model: str, tensor_parallel_size: int = 1, pipeline_parallel_
         kv_cache_config = dataclasses.replace(kv_cache_config, dtype=quant_config.kv_cache_dtype(kv_cache_config))
     spec = make_worker_spec(model_dir, cfg, kv_cache_config, max_num_tokens, max_batch_size,
                             int(max_seq_len or cfg.max_position_embeddings), device, dtype, tensor_parallel_size,
-                            pipeline_parallel_size, group)
+                            pipeline_parallel_size, group, lora_config)
     first = group.index * spec.ranks_per_node
     procs, _ = _start_ranks(spec, range(first, first + spec.ranks_per_node), with_pipes=False)
     logger.info("LeaderWorkerSet worker %d: ranks %d..%d started", group.index, first, first + len(procs) - 1)

@@ -410,7 +410,7 @@ class WorkerSpec:
     timeout_s: float
     microbatching: bool = True
     log_level: int = logging.WARNING
-    lora_config: Optional[Any] = None  # `kvpilot.lora.config.LoraConfig` (one pipeline stage only)
+    lora_config: Optional[Any] = None  # `kvpilot.lora.config.LoraConfig`
 
     @property
     def world_size(self) -> int:
@@ -734,7 +734,9 @@ class Worker:
         sends, logits, rows = [], [], []
         offset = 0
         for i, mb in enumerate(mbs):
-            if graphs is not None and graphs.can_run(mb):
+            # A micro-batch with LoRA adapters runs eagerly (every rank decides alike: same plan).
+            lora_on = runner.lora is not None and runner.lora.prepare(mb)
+            if graphs is not None and not lora_on and graphs.can_run(mb):
                 # The same decision on every rank (same plan, same batch sizes): shapes agree.
                 out = self._replay_stage(graphs, mb, prev_rank, more=i + 1 < len(mbs))
                 if not self.is_last:
@@ -749,6 +751,8 @@ class Worker:
                     plan, runner.prefill_pad_buckets, runner.max_batch_size, runner.max_blocks_per_seq) is not None)
             ids, pos, meta, sample_idx = runner.prepare(mb, pad_ok)
             n = ids.shape[0]  # padded like one GPU's prefill graph where it would use one (module docstring)
+            if lora_on:
+                runner.lora.pad_to(n)
             hidden = residual = None
             if not self.is_first:
                 buf = torch.empty((2, n, spec.cfg.hidden_size), dtype=runner.dtype, device=runner.device)

@@ -21,5 +21,8 @@ class ScheduledSeq:
     # >= 0: token_ids is one placeholder; the real id is this row of the tensor given to
     # `ModelRunner.set_inflight_tokens` (the previous step's sampled ids, not read on the host yet).
     inflight_row: int = -1
+    # Speculative decoding: token_ids is the last token and drafts to verify, with all_logits (its
+    # logits at every position). Unlike prompt-logprob chunks, prefill CUDA graphs cover it.
+    verify: bool = False
     # The `kvpilot.lora.adapter.LoRAAdapter` this sequence runs with, or None (the base model).
     lora: Optional[Any] = None

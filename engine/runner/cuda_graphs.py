@@ -413,7 +413,9 @@ class PrefillGraphs(_GraphSet):
 
     Bucket ``T`` runs a step of at most ``T`` tokens and ``min(T, max_batch_size)`` sequences (every
     sequence has at least one token, so any step of at most ``T`` tokens fits). Prompt-logprob steps
-    (``all_logits``) run eagerly.
+    (``all_logits``) run eagerly; speculative verification entries (``all_logits`` with ``verify``)
+    replay the graphs, their logits taken at every position from the static hidden states.
+
 
     Args:
         runner: a single-process runner holding the whole model (not a pipeline stage).
@@ -436,7 +438,7 @@ class PrefillGraphs(_GraphSet):
         # 64-byte boundary (Triton specialises on 16-byte alignment); the block tables come last so
         # a step copies only the rows it uses.
         parts = (("ids", torch.int64, mt), ("pos", torch.int64, mt), ("slots", torch.int64, mt),
-                 ("rows", torch.int64, ms), ("seq_lens", torch.int32, ms), ("qsl", torch.int32, ms + 1),
+                 ("rows", torch.int64, mt), ("seq_lens", torch.int32, ms), ("qsl", torch.int32, ms + 1),
                  ("tables", torch.int32, ms * W))
         self._offsets, off = {}, 0
         for name, dtype, n in parts:
@@ -487,12 +489,13 @@ class PrefillGraphs(_GraphSet):
 
     # ---- replay ------------------------------------------------------------------------------
     def can_run(self, seqs: list["ScheduledSeq"]) -> bool:
-        """True for a step with a prefill chunk, at most ``max_tokens`` tokens and no ``all_logits``."""
+        """True for a step with a chunk of two or more tokens (a prefill chunk or drafts to verify), at
+        most ``max_tokens`` tokens and no prompt-logprob chunk (``all_logits`` without ``verify``)."""
         if not self.graphs or not seqs or len(seqs) > self.max_seqs:
             return False
         tokens, longest = 0, 0
         for s in seqs:
-            if s.all_logits or len(s.block_table) > self.width:
+            if (s.all_logits and not s.verify) or len(s.block_table) > self.width:
                 return False
             n = len(s.token_ids)
             tokens += n
@@ -526,7 +529,12 @@ class PrefillGraphs(_GraphSet):
         h["ids"][real:T] = 0
         h["pos"][real:T] = 0
         h["slots"][real:T] = -1  # padded tokens: no KV write
-        rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(seqs) if s.sample]
+        rows = []
+        for i, s in enumerate(seqs):
+            if s.all_logits:  # a verification entry (`can_run`): every position
+                rows.extend(range(int(qsl[i]), int(qsl[i + 1])))
+            elif s.sample:
+                rows.append(int(qsl[i + 1]) - 1)
         h["rows"][:len(rows)] = rows
         return T, real, rows
 

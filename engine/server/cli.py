@@ -21,6 +21,8 @@ from kvpilot.config import KV_CACHE_DTYPES
 from kvpilot import envs
 from kvpilot.server.app import create_app
 from kvpilot.server.chat_template import load_chat_template
+from kvpilot.server.reasoning import REASONING_PARSERS
+from kvpilot.server.tool_parsers import TOOL_PARSERS
 from kvpilot.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--moe-tensor-parallel-size", type=int, default=None,
                         help="MoE models: ways each expert is split (default: --tensor-parallel-size / "
                              "--moe-expert-parallel-size)")
+    parser.add_argument("--guided-decoding-backend", choices=["xgrammar", "none"], default="xgrammar",
+                        help="grammar engine for response_format / guided_* / forced tool calls; 'none' refuses "
+                             "them (default xgrammar; docs/structured_output.md)")
+    parser.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                        help="parse the model's tool calls into tool_calls under tool_choice 'auto' "
+                             "(docs/tool_calling.md); default none: 'auto' replies are text")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM compatibility: --tool-call-parser alone enables parsing (default off)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="split <think>...</think> reasoning into reasoning_content (docs/tool_calling.md); "
+                             "default none")
     parser.add_argument("--uvicorn-log-level", default="warning",
                         help="uvicorn's own log level: debug, info, warning, error")
 
@@ -210,8 +223,10 @@ def build_engine(args: argparse.Namespace) -> Any:
     """Create the `kvpilot.LLM` described by the parsed arguments (blocking, seconds to minutes)."""
     from kvpilot import LLM
 
+    backend = getattr(args, "guided_decoding_backend", "xgrammar")
     return LLM(args.model, tokenizer=args.tokenizer, allow_long_max_seq_len=args.allow_long_max_seq_len,
                trust_remote_code=args.trust_remote_code, speculative_config=args.speculative_config,
+               guided_decoding_backend=None if backend == "none" else backend,
                **_engine_kwargs(args))
 
 
@@ -247,8 +262,6 @@ def preflight(args: argparse.Namespace) -> None:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
         _lora_config(args)  # bad counts are one line now
-        if args.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported with pipeline parallelism (--pipeline-parallel-size 1)")
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -317,8 +330,9 @@ def run(args: argparse.Namespace) -> int:
     group = LwsGroup.from_env()
     if group is not None and group.index > 0:
         kwargs = _engine_kwargs(args)
-        kwargs.pop("lora_config", None)  # (a multi-node group is pipeline parallel: the leader refuses LoRA)
-        return run_lws_worker(args.model, group=group, **kwargs)
+        # The leader's front end checks adapters; every rank reads them from the plan's requests.
+        lora = kwargs.pop("lora_config", None)
+        return run_lws_worker(args.model, group=group, lora_config=lora, **kwargs)
     try:
         template = load_chat_template(args.chat_template)
         preflight(args)
@@ -331,7 +345,8 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc.strerror or exc)
         return 1
     state = ServerState(served_model_name=args.served_model_name or args.model, model_path=args.model,
-                        chat_template=template, api_key=args.api_key or None, lora_enabled=args.enable_lora)
+                        chat_template=template, api_key=args.api_key or None, lora_enabled=args.enable_lora,
+                        tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     for name, path in args.lora_modules:
         state.add_lora(name, path)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)

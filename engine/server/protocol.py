@@ -97,6 +97,14 @@ class _SamplingFields(_Request):
     spaces_between_special_tokens: StrictBool = True
     allowed_token_ids: Optional[list[StrictInt]] = None
     bad_words: Optional[list[StrictStr]] = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* fields and structured_outputs
+    # (`kvpilot.server.sampling.guided_params` turns them into one GuidedDecodingParams).
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[StrictStr, dict[str, Any]]] = None
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
+    structured_outputs: Optional[dict[str, Any]] = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -304,8 +312,11 @@ class ChatCompletionRequest(_SamplingFields):
     ``add_generation_prompt``) and ``chat_template_kwargs`` (any other template variable, e.g.
     ``enable_thinking``), the variables of ``transformers``' ``apply_chat_template``; these and
     ``echo`` (the reply starts with the last message's content when that message is the
-    assistant's) follow vLLM. Tools are only rendered into the prompt: the reply is returned as text
-    (no tool-call parsing), so a ``tool_choice`` that forces a call is refused.
+    assistant's) follow vLLM. ``tool_choice``: "none" (reply is text), "auto" (default with tools:
+    parsed into ``tool_calls`` by ``--tool-call-parser``, text without one), "required" or
+    ``{"type": "function", "function": {"name": ...}}`` (enforced by guided decoding);
+    ``parallel_tool_calls: false`` keeps one call (docs/tool_calling.md). Structured output fields
+    are `_SamplingFields`' (docs/structured_output.md).
     """
 
     messages: list[ChatMessage]
@@ -318,24 +329,15 @@ class ChatCompletionRequest(_SamplingFields):
     echo: StrictBool = False
     documents: Optional[list[dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    # Structured output is not implemented: a request for it is refused (400) rather than answered
-    # with free text the client did not ask for.
-    response_format: Optional[dict[str, Any]] = None
     tool_choice: Optional[Union[StrictStr, dict[str, Any]]] = None
     tools: Optional[list[ChatTool]] = None
+    parallel_tool_calls: Optional[StrictBool] = True
 
     @field_validator("messages")
     @classmethod
     def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must contain at least one message")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported; only 'text' is")
         return v
 
     @field_validator("continue_final_message")
@@ -346,22 +348,25 @@ class ChatCompletionRequest(_SamplingFields):
                              "set add_generation_prompt to false to continue the final message")
         return v
 
-    @field_validator("tools")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_forced_tool_calls(cls, v: Optional[list[ChatTool]], info: ValidationInfo) -> Optional[list[ChatTool]]:
-        if v and info.data.get("tool_choice") not in (None, "none", "auto"):
-            raise ValueError(_FORCED_TOOLS)
-        return v
+    def _tool_choice(cls, v: Any) -> Any:
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+                and isinstance(v["function"].get("name"), str):
+            return v
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or "
+                         "{\"type\": \"function\", \"function\": {\"name\": ...}}")
 
-    @model_validator(mode="after")
-    def _tool_choice_without_tools(self) -> "ChatCompletionRequest":
-        if not self.tools and self.tool_choice not in (None, "none", "auto"):
-            raise ValueError(_FORCED_TOOLS)
-        return self
-
-
-_FORCED_TOOLS = ("tool calling is not supported: tool_choice must be 'none' or 'auto' (tools are rendered "
-                 "into the prompt; the reply is returned as text)")
+    def forced_tool(self) -> Optional[str]:
+        """"required", the name of the forced function, or None (no call is forced)."""
+        tc = self.tool_choice
+        if tc == "required":
+            return "required"
+        if isinstance(tc, dict):
+            return tc["function"]["name"]
+        return None
 
 
 class ChatLogprob(BaseModel):
@@ -378,9 +383,35 @@ class ChatChoiceLogprobs(BaseModel):
     content: Optional[list[ChatLogprobEntry]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    """One entry of a message's ``tool_calls`` (OpenAI)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
+    """The reply: ``content``, ``tool_calls`` (present only when the model called tools) and
+    ``reasoning_content`` (vLLM's; present only with ``--reasoning-parser``)."""
+
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        body = handler(self)
+        for k in ("reasoning_content", "tool_calls"):
+            if body.get(k) is None:
+                body.pop(k, None)
+        return body
 
 
 class ChatCompletionChoice(BaseModel):
@@ -406,6 +437,10 @@ class DeltaMessage(BaseModel):
 
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    # OpenAI's incremental form: {"index", "id", "type", "function": {"name", "arguments": ""}} first,
+    # then {"index", "function": {"arguments": piece}}.
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

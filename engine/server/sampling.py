@@ -11,10 +11,11 @@ its ValueError/TypeError messages start with the field name, which becomes the e
 
 from __future__ import annotations
 
+import asyncio
 import re
-from typing import Optional
+from typing import Any, Optional
 
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.sampling_params import GUIDED_KINDS, GuidedDecodingParams, SamplingParams
 from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -64,7 +65,65 @@ def _common(req: _SamplingFields, defaults: Optional[dict] = None) -> dict:
         bad_words=req.bad_words,
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
+        guided_decoding=guided_params(req)[0],
     )
+
+
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"))
+
+
+def guided_params(req: _SamplingFields) -> tuple[Optional[GuidedDecodingParams], Optional[str]]:
+    """The request's structured-output constraint and the field it came from (for error ``param``s).
+
+    Sources (at most one per request): OpenAI's ``response_format`` (``{"type": "text"}``: none;
+    ``{"type": "json_object"}``; ``{"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}}``: the schema, always enforced strictly), vLLM's ``structured_outputs`` (a dict with
+    one of json, regex, choice, grammar, json_object, structural_tag) and its older ``guided_json``,
+    ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+
+    Raises:
+        APIError: 400 naming the field: several sources, an unknown ``response_format`` type, a
+            ``json_schema`` without a ``schema`` object, or a malformed value.
+    """
+    found: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(schema, dict):
+                raise APIError("response_format json_schema needs json_schema.schema, a JSON schema object",
+                               param="response_format")
+            found.append(("response_format", {"json": schema}))
+        elif kind != "text":
+            raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                           param="response_format")
+    for name, key in _GUIDED_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            found.append((name, {key: value}))
+    so = req.structured_outputs
+    if so is not None:
+        fields = {k: v for k, v in so.items() if v not in (None, False)}
+        unknown = sorted(set(fields) - set(GUIDED_KINDS))
+        if unknown:
+            raise APIError(f"structured_outputs takes {', '.join(GUIDED_KINDS)}; unknown: {', '.join(unknown)}",
+                           param="structured_outputs")
+        found.append(("structured_outputs", fields))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError(f"give one structured-output constraint; got {', '.join(n for n, _ in found)}",
+                       param=found[1][0])
+    name, fields = found[0]
+    try:
+        return GuidedDecodingParams(**fields), name
+    except (ValueError, TypeError) as exc:
+        raise APIError(f"{name}: {exc}", param=name) from None
 
 
 def _build(kwargs: dict, renames: dict[str, str]) -> SamplingParams:
@@ -112,6 +171,23 @@ def chat_params(req: ChatCompletionRequest, max_tokens: int, defaults: Optional[
     if req.max_completion_tokens is not None or req.max_tokens is None:
         renames["max_tokens"] = "max_completion_tokens"
     return _build(kw, renames)
+
+
+async def compile_guided(llm: Any, params: SamplingParams, param: Optional[str]) -> None:
+    """Compile ``params.guided_decoding`` (if any) in a worker thread, so that a constraint that does
+    not compile is a 400 naming ``param`` before anything is queued (the engine's compile of the same
+    text is then a cache hit).
+
+    Raises:
+        APIError: 400 with xgrammar's reason, or when the server runs without guided decoding.
+    """
+    if params.guided_decoding is None:
+        return
+    try:
+        backend = llm.guided_backend()
+        await asyncio.to_thread(backend.compile, params.guided_decoding)
+    except ValueError as exc:
+        raise APIError(str(exc), param=param) from None
 
 
 def generation_defaults(llm) -> dict:

@@ -21,7 +21,7 @@ from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
                        CompletionStreamResponse, UsageInfo, random_id)
-from kvpilot.server.sampling import generation_defaults, check_context, completion_params
+from kvpilot.server.sampling import check_context, compile_guided, completion_params, generation_defaults, guided_params
 from kvpilot.server.state import ServerState
 from kvpilot.server.streaming import (SSE_DONE, ChoiceDelta, EngineStreamingResponse, sse, stream_deltas, token_bytes,
                         token_text, until_disconnect, wait_all)
@@ -150,6 +150,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     # One SamplingParams for all prompts: without max_tokens, what is left after the longest prompt.
     max_tokens = min(check_context(len(ids), req.max_tokens, llm.max_seq_len, "max_tokens") for ids in prompt_ids)
     params = completion_params(req, max_tokens, generation_defaults(llm))
+    await compile_guided(llm, params, guided_params(req)[1])
     if req.echo:
         # A token-id prompt is echoed as its text, without the special tokens (BOS) the text of a
         # string prompt does not hold either.

@@ -31,6 +31,8 @@ class ServerState:
         lora_enabled: ``--enable-lora``: requests may name a LoRA adapter as their ``model``.
         lora_modules: adapter name -> `kvpilot.executor.LoRARequest` (``--lora-modules`` and
             ``/v1/load_lora_adapter``); each gets an id never used before in this process.
+        tool_call_parser: ``--tool-call-parser`` (`kvpilot.server.tool_parsers.TOOL_PARSERS`), or None.
+        reasoning_parser: ``--reasoning-parser`` (`kvpilot.server.reasoning.REASONING_PARSERS`), or None.
     """
 
     served_model_name: str
@@ -43,6 +45,8 @@ class ServerState:
     draining: bool = False
     lora_enabled: bool = False
     lora_modules: dict[str, Any] = field(default_factory=dict)
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
     _next_lora_id: int = 1
     _active_http: int = 0
     _outputs: set = field(default_factory=set)

@@ -35,6 +35,9 @@ class NGramDecodingConfig:
     Attributes:
         max_draft_len: drafted tokens per sequence and step, 1..32.
         max_matching_ngram_size: longest suffix looked up, in tokens, 1..32.
+        max_concurrency: speculate only in steps with at most this many running sequences (None:
+            always); TensorRT-LLM's field. Past the batch size where verification costs more than
+            the accepted tokens save, plain decoding is faster (benchmarks/gpu_spec_decode.py).
 
     Raises:
         ValueError: a field outside its range.
@@ -42,12 +45,15 @@ class NGramDecodingConfig:
 
     max_draft_len: int = 4
     max_matching_ngram_size: int = 4
+    max_concurrency: Optional[int] = None
 
     decoding_type = "NGram"
 
     def __post_init__(self) -> None:
         _check_int("max_draft_len", self.max_draft_len, 1, MAX_DRAFT_LEN)
         _check_int("max_matching_ngram_size", self.max_matching_ngram_size, 1, 32)
+        if self.max_concurrency is not None:
+            _check_int("max_concurrency", self.max_concurrency, 1, 1 << 20)
 
 
 @dataclass
@@ -64,6 +70,7 @@ class DraftTargetDecodingConfig:
         speculative_model: the draft's Hugging Face checkpoint directory or Hub id. Its
             ``vocab_size`` must equal the target's (same tokenizer).
         speculative_model_dir: TensorRT-LLM's older name of ``speculative_model``; either may be given.
+        max_concurrency: as `NGramDecodingConfig.max_concurrency`.
 
     Raises:
         ValueError: no model given, both names given with different values, or ``max_draft_len``
@@ -73,11 +80,14 @@ class DraftTargetDecodingConfig:
     max_draft_len: int = 4
     speculative_model: Optional[str] = None
     speculative_model_dir: Optional[str] = None
+    max_concurrency: Optional[int] = None
 
     decoding_type = "DraftTarget"
 
     def __post_init__(self) -> None:
         _check_int("max_draft_len", self.max_draft_len, 1, MAX_DRAFT_LEN)
+        if self.max_concurrency is not None:
+            _check_int("max_concurrency", self.max_concurrency, 1, 1 << 20)
         a, b = self.speculative_model, self.speculative_model_dir
         if a is not None and b is not None and str(a) != str(b):
             raise ValueError(f"speculative_model ({a!r}) and speculative_model_dir ({b!r}) differ; give one")

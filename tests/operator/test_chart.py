@@ -100,7 +100,7 @@ def test_rbac_grants_what_the_operator_does():
                                ("", "services"), ("policy", "poddisruptionbudgets"))
         for v in ("get", "list", "watch", "create", "patch", "delete")
     } \
-      | {("", "pods", v) for v in ("list", "patch")} | {("", "events", "create")} \
+      | {("", "pods", v) for v in ("list", "watch", "patch")} | {("", "events", "create")} \
       | {("autoscaling", "horizontalpodautoscalers", v) for v in ("list", "watch")} \
       | {("keda.sh", "scaledobjects", "list")} \
       | {("kopf.dev", "kopfpeerings", v) for v in ("get", "list", "watch", "patch")}

@@ -49,3 +49,21 @@ def test_revision_reaches_the_download_and_the_engine_args(revision, want, paral
         parsed = parser.parse_args(args[1:])
         assert parsed.model == local_dir and local_dir.endswith(f"/{HUB_ID}/{want}")
         assert parsed.revision is None  # a local directory: a revision there would be an error
+
+
+@pytest.mark.parametrize("model,expected", [
+    ({"name": HUB_ID, "revision": "7ae557604adf67be50417f59c2c2f167def9a775"},
+     {"name": HUB_ID, "revision": "7ae557604adf67be50417f59c2c2f167def9a775"}),
+    ({"name": HUB_ID}, {"name": HUB_ID, "revision": "main"}),
+    ({"name": "pvc://weights/qwen"}, {"name": "pvc://weights/qwen"}),  # no download, no revision
+])
+def test_status_reports_the_revision_the_pods_download(model, expected):
+    from kvpilot.operator.crd import normalize
+    from kvpilot.operator.status import desired_status
+
+    cr = normalize(_cr(model))
+    status = desired_status(cr, None, "2026-01-01T00:00:00Z")
+    assert status["model"] == expected
+    if "revision" in expected:
+        init = _pod_templates(render(cr))[0]["initContainers"][0]["command"]
+        assert init[init.index("--revision") + 1] == expected["revision"]

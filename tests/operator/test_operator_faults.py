@@ -20,6 +20,7 @@ from support.operator_harness import NAMESPACE, make_cr, operator_env  # noqa: F
 pytestmark = pytest.mark.timeout(60)
 
 CONFIG = OperatorConfig(retry_base_s=0.2, retry_max_s=2.0)
+OUTAGE_S = 10.0
 DEPLOYMENT = resource_path("apps/v1", "deployments", NAMESPACE, "llama")
 
 
@@ -107,13 +108,13 @@ async def test_api_outage_recovers_within_bound(operator_env):
     outage = env.k[kmock.headers({"Authorization": "Bearer kmock"})] << 503 \
         << {"kind": "Status", "code": 503, "message": "apiserver down"}
     await env.patch("LLMDeployment", NAMESPACE, "llama", {"spec": {"replicas": 3}})
-    await asyncio.sleep(5.0)
+    await asyncio.sleep(OUTAGE_S)  # the 10 s outage
     assert env.get("Deployment", NAMESPACE, "llama")["spec"]["replicas"] == 1
     outage._disabled.set()
     end = time.monotonic()
     await env.wait_for(lambda: env.get("Deployment", NAMESPACE, "llama")["spec"]["replicas"] == 3, timeout=10)
     elapsed = time.monotonic() - end
-    print(f"recovered {elapsed:.2f} s after a 5 s outage")
+    print(f"recovered {elapsed:.2f} s after a {OUTAGE_S:g} s outage")
     assert elapsed < CONFIG.retry_max_s + 2.0
 
 

@@ -1,6 +1,6 @@
 """spec.lora.adapters: every listed adapter reaches the engine's arguments (--enable-lora
 --lora-modules name=path, the slot counts), Hub adapters are downloaded by init containers into the
-model volume, and the CRD refuses duplicate names, bad sources and LoRA with pipeline parallelism."""
+model volume (on every pod of a multi-node group), and the CRD refuses duplicate names and bad sources."""
 
 from __future__ import annotations
 
@@ -59,7 +59,6 @@ def test_changing_the_adapters_changes_the_pod_template():
     ({"adapters": [{"name": "a", "source": "/x"}, {"name": "a", "source": "/y"}]}, {}, "names must be unique"),
     ({"adapters": [{"name": "a", "source": "s3://bucket/x"}]}, {}, "Hub id (org/name) or an absolute path"),
     ({"adapters": [{"name": "a", "source": "/x", "revision": "v1"}]}, {}, "revision applies to Hub ids only"),
-    ({"adapters": [{"name": "a", "source": "/x"}]}, {"parallelism": {"pipeline": 2}}, "tensor parallelism only"),
     ({"adapters": [{"name": MODEL, "source": "/x"}]}, {}, "must differ from the base model's name"),
     ({"adapters": [{"name": "a"}]}, {}, "'source' is a required property"),
     ({"adapters": [], "maxLoras": 0}, {}, "less than the minimum of 1"),
@@ -68,3 +67,17 @@ def test_bad_lora_specs_are_rejected(lora, spec, message):
     with pytest.raises(crd.InvalidLLMDeployment) as info:
         crd.normalize(cr(lora, **spec))
     assert any(message in e for e in info.value.errors), info.value.errors
+
+
+def test_every_pod_of_a_multi_node_group_downloads_the_adapters():
+    doc = crd.normalize(cr({"adapters": [{"name": "sql", "source": "acme/sql-lora"}]},
+                           parallelism={"tensor": 8, "pipeline": 2}))
+    objects = render(doc)
+    validate_all(objects)
+    lws = objects[0]
+    assert lws["kind"] == "LeaderWorkerSet"
+    spec = lws["spec"]["leaderWorkerTemplate"]
+    for tpl in (spec["leaderTemplate"], spec["workerTemplate"]):
+        pod = tpl["spec"]
+        assert [c["name"] for c in pod["initContainers"]] == ["download-model", "download-lora-0"]
+        assert "sql=/models/lora/acme/sql-lora/main" in pod["containers"][0]["args"]

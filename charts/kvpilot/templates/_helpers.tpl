@@ -50,10 +50,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
   resources: [poddisruptionbudgets]
   verbs: [get, list, watch, create, patch, delete]
 # The autoscaler lists the engine pods to scrape their /metrics, and annotates them with
-# controller.kubernetes.io/pod-deletion-cost before lowering replicas.
+# controller.kubernetes.io/pod-deletion-cost before lowering replicas; the operator watches
+# them for engines that refuse to start (the ModelLoaded condition).
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, patch]
+  verbs: [list, watch, patch]
 # Other autoscalers (HPAs, KEDA ScaledObjects) whose scaleTargetRef reaches an LLMDeployment or
 # its workload: the operator then leaves the replicas to them (docs/autoscaling.md). KEDA acts
 # through an HPA it creates, so watching HPAs sees ScaledObjects come and go too.

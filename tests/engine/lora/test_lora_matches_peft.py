@@ -283,3 +283,39 @@ def test_adapters_on_fp8_base_weights_match_peft(setup):
         lp = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
     want = [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-4)
+
+
+def test_ngram_speculation_keeps_each_adapters_greedy_tokens(setup):
+    """Drafts are verified by the target model with each request's adapter: greedy tokens with
+    n-gram speculation equal those without, in a mixed batch."""
+    from kvpilot.llmapi import NGramDecodingConfig
+
+    d, base, a, b, llm = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    prompts = [[1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 5, 6, 7, 5, 6, 7, 5, 6], [1, 9, 9, 9, 9]]
+    loras = [ra, rb, None]
+    want = _greedy(llm, prompts, loras, n=6)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", max_batch_size=8,
+             max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8),
+             speculative_config=NGramDecodingConfig(max_draft_len=3, max_matching_ngram_size=2)) as spec:
+        got = _greedy(spec, prompts, loras, n=6)
+        drafted = spec._core.spec.totals.num_draft_tokens
+    assert drafted > 0
+    assert [g[0] for g in got] == [w[0] for w in want]
+
+
+@pytest.mark.slow  # two worker processes: ~30 s on two cores
+def test_pipeline_parallel_adapters_match_peft(setup):
+    """PP 2 on CPU (gloo): each stage applies its layers' share of every adapter; micro-batches with
+    adapters run eagerly on every stage."""
+    d, base, a, b, _ = setup
+    ra, rb = _req(d, "a", 1), _req(d, "b", 2)
+    with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", pipeline_parallel_size=2,
+             max_batch_size=8, max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             lora_config=LoraConfig(max_loras=2, max_lora_rank=8)) as pp:
+        prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[1]]
+        got = _greedy(pp, prompts, [ra, rb, None, ra], n=5)
+    for p, adapter, (toks, lps) in zip(prompts, (a, b, None, a), got):
+        ref = _peft_logprobs(base, adapter, p + toks)[-5:]
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref), rtol=0, atol=1e-4)

@@ -70,3 +70,14 @@ def test_rank_shares_add_up_to_the_whole_update(adapter, tp):
         else:
             for rk in ranks:
                 torch.testing.assert_close(_update(rk[key], x), want[:, rk[key].rows], rtol=1e-5, atol=1e-5)
+
+
+def test_warm_up_compiles_each_projection_shape_once_and_changes_nothing(adapter):
+    pytest.importorskip("triton")
+    cfg, ad = adapter
+    with torch.device("meta"):
+        model = model_class(cfg.architecture)(cfg, ParallelContext(), None)
+    model = model.to_empty(device="cpu")
+    slots = LoRASlots(model, LoraConfig(max_loras=2, max_lora_rank=8), torch.float32, torch.device("cpu"))
+    assert slots.warm_up() == 4  # qkv, o, gate_up, down: one shape each (one layer)
+    assert all(not p.a.any() and not p.b.any() for p in slots.projections.values())

@@ -138,11 +138,12 @@ def test_request_validation_of_the_new_fields():
                                                "echo": True})
     assert ok.tools[0].function.name == "get_weather" and ok.documents == DOCS and ok.echo
     assert ok.tools[0].model_dump(exclude_none=True) == TOOLS[0]
-    for bad in ({"tools": TOOLS, "tool_choice": "required"},
-                {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
-                {"tool_choice": "required"}):
-        with pytest.raises(ValidationError, match="tool calling is not supported"):
-            ChatCompletionRequest.model_validate({**base, **bad})
+    for forced, want in (("required", "required"),
+                         ({"type": "function", "function": {"name": "get_weather"}}, "get_weather")):
+        assert ChatCompletionRequest.model_validate({**base, "tools": TOOLS, "tool_choice": forced}).forced_tool() == want
+    for bad in ("sometimes", {"type": "function"}, {"type": "function", "function": {"name": 3}}):
+        with pytest.raises(ValidationError, match="tool_choice must be"):
+            ChatCompletionRequest.model_validate({**base, "tools": TOOLS, "tool_choice": bad})
     with pytest.raises(ValidationError, match="name"):
         ChatCompletionRequest.model_validate({**base, "tools": [{"type": "function", "function": {}}]})
     with pytest.raises(ValidationError):

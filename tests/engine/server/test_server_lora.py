@@ -163,9 +163,6 @@ def test_lora_flags(tmp_path):
     with pytest.raises(ValueError, match="used twice"):
         cli.preflight(parser.parse_args([str(tmp_path), "--device", "cpu", "--enable-lora", "--lora-modules",
                                          "a=/x", "a=/y"]))
-    with pytest.raises(ValueError, match="not supported with pipeline parallelism"):
-        cli.preflight(parser.parse_args([str(tmp_path), "--device", "cpu", "--enable-lora",
-                                         "--pipeline-parallel-size", "2"]))
 
 
 def test_endpoints_without_enable_lora_are_400(tmp_path):

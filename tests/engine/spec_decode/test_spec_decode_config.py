@@ -35,6 +35,7 @@ def test_json_and_dict_forms():
     ('{"decoding_type": "NGram", "max_draft_len": 0}', "max_draft_len must be an integer in [1, 32]"),
     ('{"decoding_type": "NGram", "max_draft_len": true}', "max_draft_len must be an integer"),
     ('{"decoding_type": "DraftTarget"}', "needs speculative_model"),
+    ('{"decoding_type": "NGram", "max_concurrency": 0}', "max_concurrency must be an integer"),
 ])
 def test_bad_configs_say_what_is_wrong(value, message):
     with pytest.raises(ValueError) as e:

@@ -86,19 +86,24 @@ def test_ngram_greedy_equals_plain_greedy_in_a_mixed_batch(ngram_llm, baseline):
 def test_draft_equal_to_target_accepts_every_draft(self_draft_llm, baseline):
     spec = self_draft_llm._core.spec
     t0 = (spec.totals.num_draft_tokens, spec.totals.num_accepted_tokens)
-    assert _ids(self_draft_llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
+    outs = self_draft_llm.generate(PROMPTS, GREEDY)
+    assert _ids(outs) == _ids(baseline[0])
     drafted = spec.totals.num_draft_tokens - t0[0]
     accepted = spec.totals.num_accepted_tokens - t0[1]
     assert drafted > 80 and accepted == drafted
+    # per request too (RequestOutput.metrics)
+    assert sum(o.metrics.num_draft_tokens for o in outs) == drafted
+    assert all(0 < o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens for o in outs)
     _pools_empty(self_draft_llm)
 
 
 def test_random_draft_accepts_less_and_output_is_unchanged(stories_model_dir, random_draft, baseline):
     cfg = DraftTargetDecodingConfig(max_draft_len=3, speculative_model=str(random_draft))
     with LLM(str(stories_model_dir), speculative_config=cfg, **KW) as llm:
-        assert _ids(llm.generate(PROMPTS[:2], GREEDY)) == _ids(baseline[0][:2])
+        sp = SamplingParams(temperature=0, max_tokens=24)
+        assert _ids(llm.generate(PROMPTS[:2], sp)) == [ids[:24] for ids in _ids(baseline[0][:2])]
         t = llm._core.spec.totals
-        assert t.num_draft_tokens > 50 and t.num_accepted_tokens < 0.5 * t.num_draft_tokens
+        assert t.num_draft_tokens > 40 and t.num_accepted_tokens < 0.5 * t.num_draft_tokens
         _pools_empty(llm)
 
 
@@ -121,24 +126,40 @@ def test_stops_inside_an_accepted_run(self_draft_llm, baseline):
     _pools_empty(self_draft_llm)
 
 
-def test_preemption_mid_speculation_keeps_greedy_exact(stories_model_dir, baseline):
+def test_preemption_chunked_prefill_and_budget_cuts_keep_greedy_exact(stories_model_dir, baseline):
+    # 10 blocks of 16 tokens for 4 sequences of up to ~60 tokens: preemptions; 12 tokens per step:
+    # prompts are chunked beside verifying sequences, and the budget cuts drafts short.
     kv = KvCacheConfig(tokens_per_block=16, max_tokens=16 * 10)
-    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), max_num_tokens=256,
+    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), max_num_tokens=12,
              kv_cache_config=kv) as llm:
         assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
-        assert llm._core.scheduler.num_preemptions > 0
+        assert llm._core.scheduler.num_preemptions > 0 and llm._core.spec.totals.num_drafts > 0
         _pools_empty(llm)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(self_draft_llm):
-    sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, max_tokens=30, seed=1234)
+    sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, max_tokens=20, seed=1234)
     alone = self_draft_llm.generate(PROMPTS[1], sp).outputs[0].token_ids
     batch = self_draft_llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3]],
-                                    [SamplingParams(temperature=0.7, max_tokens=30, seed=5), sp, GREEDY])
-    assert batch[1].outputs[0].token_ids == alone and len(alone) == 30
+                                    [SamplingParams(temperature=0.7, max_tokens=20, seed=5), sp, GREEDY])
+    assert batch[1].outputs[0].token_ids == alone and len(alone) == 20
     other = self_draft_llm.generate(PROMPTS[1], SamplingParams(temperature=0.9, top_k=40, top_p=0.95,
-                                                               max_tokens=30, seed=99)).outputs[0].token_ids
+                                                               max_tokens=20, seed=99)).outputs[0].token_ids
     assert other != alone
+
+
+def test_max_concurrency_turns_speculation_off_in_large_batches(ngram_llm, baseline):
+    spec = ngram_llm._core.spec
+    spec.config.max_concurrency = 1
+    try:
+        before = spec.totals.num_drafts
+        assert _ids(ngram_llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))) == [
+            ids[:12] for ids in _ids(baseline[0][:3])]
+        assert spec.totals.num_drafts == before  # 3 running > 1: no step speculated
+        ngram_llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
+        assert spec.totals.num_drafts > before
+    finally:
+        spec.config.max_concurrency = None
 
 
 def test_stats_and_prometheus_count_drafts(ngram_llm):
@@ -158,3 +179,65 @@ def test_stats_and_prometheus_count_drafts(ngram_llm):
                  "kvpilot:spec_decode_num_accepted_tokens_total",
                  'kvpilot:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}'):
         assert name in text
+
+
+def test_verification_replays_prefill_graphs(stories_model_dir, baseline):
+    """Verification steps replay the prefill CUDA graphs (CPU doubles here): logits at every draft
+    position come from the graph's static hidden states, and greedy output is unchanged."""
+    import torch
+    from support.graphs import cpu_graph_class
+
+    from kvpilot.runner.cuda_graphs import PrefillGraphs
+
+    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), **KW) as llm:
+        runner = llm._executor
+        g = cpu_graph_class(PrefillGraphs)(runner)
+        with torch.inference_mode():
+            g.capture()
+        replays = []
+        run = g.run
+
+        def counting_run(seqs, fix_inputs=None):
+            replays.append(sum(s.verify for s in seqs))
+            return run(seqs, fix_inputs)
+
+        g.run = counting_run
+        runner.prefill_graphs = g
+        assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
+        assert sum(replays) > 10  # verification entries went through the graphs
+        _pools_empty(llm)
+
+
+def test_streaming_parallel_sampling_and_abort_mid_speculation(self_draft_llm, baseline):
+    import asyncio
+
+    want = baseline[0][0].outputs[0]
+
+    async def stream():
+        chunks = []
+        async for c in self_draft_llm.generate_async(PROMPTS[0], GREEDY, streaming=True):
+            chunks.append((c.outputs[0].text_diff, list(c.outputs[0].token_ids_diff)))
+        return chunks
+
+    chunks = asyncio.run(stream())
+    assert "".join(text for text, _ in chunks) == want.text
+    assert [t for _, ids in chunks for t in ids] == want.token_ids
+    assert len(chunks) < len(want.token_ids) / 3  # one chunk per step, every draft accepted
+    # n = 3 sampled choices, each a speculating sequence of its own
+    out = self_draft_llm.generate(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7))
+    assert len(out.outputs) == 3 and all(len(c.token_ids) == 16 for c in out.outputs)
+    # an abort while its request speculates frees both pools
+    import time
+
+    spec = self_draft_llm._core.spec
+    before = spec.totals.num_drafts
+    fut = self_draft_llm.generate_async(PROMPTS[1], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+    deadline = time.monotonic() + 60
+    while spec.totals.num_drafts == before and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert spec.totals.num_drafts > before and not fut.finished
+    self_draft_llm.abort(fut.request_id)
+    with pytest.raises(Exception):
+        fut.result(timeout=60)
+    self_draft_llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4))  # a step after the abort
+    _pools_empty(self_draft_llm)

@@ -283,7 +283,8 @@ class LLM:
             req.seqs.append(Sequence(request=req, index=i, token_ids=list(ids), seed=seed))
             if compiled is not None:
                 req.seqs[-1].guide = self._guided.guide(
-                    compiled, [params.end_id] if params.end_id is not None else None)
+                    compiled, [params.end_id] if params.end_id is not None else None,
+                    params.guided_decoding.start_after)
         return req
 
     def guided_backend(self) -> GuidedDecodingBackend:

@@ -206,6 +206,10 @@ class GuidedDecodingParams:
       string, either xgrammar's format or ``{"structures": [{"begin": "<tool_call>", "schema":
       {...}, "end": "</tool_call>"}], "triggers": ["<tool_call>"]}``.
 
+    ``start_after`` (a kvpilot extension, not a constraint): generation is free until the output
+    text contains this string (a reasoning model's ``"</think>"``), and the constraint applies from
+    the next token on; the server sets it with ``--reasoning-parser``.
+
     Raises:
         ValueError: none or more than one field set, or an empty value.
         TypeError: a value of the wrong type.
@@ -219,8 +223,11 @@ class GuidedDecodingParams:
     json_object: bool = False
     choice: Optional[list[str]] = None
     structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    start_after: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise TypeError(f"start_after must be a non-empty string, got {self.start_after!r}")
         if isinstance(self.json, type):  # a pydantic model class
             schema = getattr(self.json, "model_json_schema", None)
             if schema is None:

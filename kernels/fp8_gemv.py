@@ -33,6 +33,23 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 #: rows up to which `fp8_gemv` runs the Triton kernel on CUDA (larger: cuBLASLt ``_scaled_mm``)
 FP8_GEMV_MAX_ROWS = 8
 
+#: launch table of `fp8_gemv`: ``(max rows, (block_n, block_k, num_warps))``, the first row with
+#: ``M <= max rows`` is used (benchmarks/gpu_fp8.py sweeps it on the GPU, timed in CUDA graphs)
+FP8_GEMV_CONFIGS: list[tuple[int, tuple[int, int, int]]] = [
+    (1, (2, 4096, 4)),
+    (2, (4, 1024, 4)),
+    (4, (8, 512, 4)),
+    (8, (8, 256, 8)),
+]
+
+
+def fp8_gemv_config(m: int) -> tuple[int, int, int]:
+    """``(block_n, block_k, num_warps)`` of `FP8_GEMV_CONFIGS` for ``m`` rows."""
+    for max_m, cfg in FP8_GEMV_CONFIGS:
+        if m <= max_m:
+            return cfg
+    return FP8_GEMV_CONFIGS[-1][1]
+
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor,
                    block: Optional[tuple[int, int]] = None) -> torch.Tensor:
@@ -108,12 +125,12 @@ if triton is not None:
 
 def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, block: Optional[tuple[int, int]] = None,
-                    out_dtype: Optional[torch.dtype] = None, block_n: int = 16, block_k: int = 128,
-                    num_warps: int = 4) -> torch.Tensor:
+                    out_dtype: Optional[torch.dtype] = None, block_n: Optional[int] = None,
+                    block_k: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
     """Triton version of `fp8_gemv_ref` for ``M <= FP8_GEMV_MAX_ROWS`` (same contract).
 
     ``block_n`` / ``block_k`` / ``num_warps``: the launch (output columns per program, K tile,
-    warps); the defaults are the dispatcher's.
+    warps); each left None comes from `fp8_gemv_config`.
 
     Raises:
         ValueError: more rows than `FP8_GEMV_MAX_ROWS`, a weight that is not FP8 E4M3 ``[N, K]``
@@ -131,6 +148,9 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     n = weight.shape[0]
     if m > FP8_GEMV_MAX_ROWS:
         raise ValueError(f"fp8_gemv: {m} rows exceed FP8_GEMV_MAX_ROWS={FP8_GEMV_MAX_ROWS}")
+    dn, dk, dw = fp8_gemv_config(m)
+    block_n, block_k, num_warps = block_n or dn, block_k or dk, num_warps or dw
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     scale = scale.to(torch.float32)
     if block is None:
         scale = scale.reshape(-1).expand(n).contiguous() if scale.numel() == 1 else scale.contiguous()
@@ -167,3 +187,62 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: O
     if x.is_cuda and x.dim() == 2 and x.shape[0] <= FP8_GEMV_MAX_ROWS and triton_available():
         return fp8_gemv_triton(x, weight, scale, bias, block, out_dtype)
     return fp8_gemv_ref(x, weight, scale, bias, block, out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K, stride_xm, stride_qm,
+                           STATIC: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        ok = offs < K
+        x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0).to(tl.float32)
+        if STATIC:
+            s = tl.load(static_ptr)
+        else:
+            s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+            tl.store(s_ptr + row, s)
+        q = tl.minimum(tl.maximum(x / s, -448.0), 448.0)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def quantize_rows_ref(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` -> (FP8 E4M3 ``[M, K]``, float32 scale ``[M, 1]``): per-row dynamic scales
+    ``max(amax(|x[m]|) / 448, 1e-12)``, or the scalar ``static_scale`` for every row;
+    ``q = fp8(clamp(x / s, -448, 448))``."""
+    xf = x.to(torch.float32)
+    if static_scale is not None:
+        s = static_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1)
+    else:
+        s = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return (xf / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), s.contiguous()
+
+
+def quantize_rows(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows_ref` in one Triton launch (one program per row) for CUDA inputs with
+    ``K <= 16384``; the reference otherwise."""
+    from . import triton_available
+
+    m, k = x.shape
+    if not (x.is_cuda and triton_available() and k <= 16384) or m == 0:
+        return quantize_rows_ref(x, static_scale)
+    return quantize_rows_triton(x, static_scale)
+
+
+def quantize_rows_triton(x: torch.Tensor, static_scale: Optional[torch.Tensor] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of `quantize_rows_ref` (any device Triton runs on, the interpreter included)."""
+    m, k = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    st = static_scale.to(torch.float32).reshape(1) if static_scale is not None else s
+    _quant_rows_kernel[(m,)](x, q, s, st, k, x.stride(0), q.stride(0), STATIC=static_scale is not None,
+                             BLOCK=triton.next_power_of_2(k), num_warps=8 if k >= 4096 else 4)
+    if static_scale is not None:
+        s = st.reshape(1, 1).expand(m, 1).contiguous()
+    return q, s

@@ -295,10 +295,13 @@ class Fp8LinearMethod(QuantizationMethod):
         """``[N, K]`` weight times its scales, in ``dtype``."""
         return dequantize_fp8(layer.weight, self.weight_scale_of(layer), layer.scale_block).to(dtype)
 
+    #: run the reference (`apply`'s CPU path) on CUDA too (benchmarks/gpu_fp8.py's accuracy check)
+    reference = False
+
     def apply(self, layer, x, bias=None, out_dtype=None):
         sch, scale = self.scheme, self.weight_scale_of(layer)
         out = out_dtype or x.dtype
-        if x.is_cuda:
+        if x.is_cuda and not self.reference:
             if x.shape[0] <= fp8_gemv.FP8_GEMV_MAX_ROWS:
                 return fp8_gemv.fp8_gemv(x, layer.weight, scale, bias, layer.scale_block, out)
             n, k = layer.weight.shape
@@ -312,11 +315,13 @@ class Fp8LinearMethod(QuantizationMethod):
 
     def _scaled_mm(self, layer, x, scale, bias, out):
         sch = self.scheme
-        mode = "token" if sch.activations == "group" else sch.activations
-        sa = activation_scale(x, mode, getattr(layer, "input_scale", None))
-        xq = quantize_fp8(x, sa)
-        m = x.shape[0]
-        sa = sa.reshape(-1, 1).expand(m, 1).contiguous() if sa.numel() == 1 else sa
+        if sch.activations in ("static", "token"):  # one launch (kernels/fp8_gemv.py)
+            xq, sa = fp8_gemv.quantize_rows(x, layer.input_scale if sch.activations == "static" else None)
+        else:
+            mode = "token" if sch.activations == "group" else sch.activations
+            sa = activation_scale(x, mode, getattr(layer, "input_scale", None))
+            xq = quantize_fp8(x, sa)
+            sa = sa.reshape(-1, 1).expand(x.shape[0], 1).contiguous() if sa.numel() == 1 else sa
         y = torch._scaled_mm(xq, layer.weight.t(), scale_a=sa, scale_b=scale.reshape(1, -1),
                              out_dtype=torch.bfloat16)
         if bias is not None:

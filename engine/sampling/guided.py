@@ -108,6 +108,7 @@ class GuidedDecodingBackend:
         self._batch = xgr.BatchGrammarMatcher(max_threads)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._vocab = None  # decoded vocabulary, read at the first `token_bytes`
         self.compile_seconds: dict[tuple[str, str], float] = {}  # per cached grammar, for benchmarks
 
     def compile(self, gd) -> Any:
@@ -172,18 +173,35 @@ class GuidedDecodingBackend:
                 return self.compiler.compile_structural_tag(items, list(triggers))
         return self.compiler.compile_structural_tag(json.dumps(tag))
 
-    def guide(self, compiled, stop_token_ids: Optional[list[int]] = None) -> "Guide":
+    def guide(self, compiled, stop_token_ids: Optional[list[int]] = None,
+              start_after: Optional[str] = None) -> "Guide":
         """A fresh matcher of ``compiled`` for one sequence; ``stop_token_ids`` replaces the
-        tokens a finished grammar accepts (a request's own ``end_id``)."""
+        tokens a finished grammar accepts (a request's own ``end_id``); with ``start_after`` the
+        grammar waits (every token allowed) until the output's bytes contain that text."""
         m = self._xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
-        return Guide(self, m)
+        return Guide(self, m, start_after.encode("utf-8") if start_after else None)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes ``token`` stands for (xgrammar's decoded vocabulary; b"" for special tokens)."""
+        vocab = self._vocab
+        if vocab is None:
+            vocab = self._vocab = self.info.decoded_vocab
+        return vocab[token] if 0 <= token < len(vocab) else b""
 
     def fill(self, guides: list["Guide"], bitmask: torch.Tensor) -> None:
-        """Fill row j of ``bitmask`` (host int32 ``[G, ceil(V / 32)]``) with ``guides[j]``'s mask."""
-        if len(guides) == 1:
-            guides[0].matcher.fill_next_token_bitmask(bitmask, 0)
-        else:
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in guides], bitmask)
+        """Fill row j of ``bitmask`` (host int32 ``[G, ceil(V / 32)]``) with ``guides[j]``'s mask
+        (all ones for a guide still waiting for its ``after_token_ids``)."""
+        if all(g.active for g in guides):
+            if len(guides) == 1:
+                guides[0].matcher.fill_next_token_bitmask(bitmask, 0)
+            else:
+                self._batch.batch_fill_next_token_bitmask([g.matcher for g in guides], bitmask)
+            return
+        for j, g in enumerate(guides):
+            if g.active:
+                g.matcher.fill_next_token_bitmask(bitmask, j)
+            else:
+                bitmask[j].fill_(-1)
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """``logits[i, t] = -inf`` where bit t of ``bitmask[i]`` is 0 (same device, in place)."""
@@ -191,22 +209,33 @@ class GuidedDecodingBackend:
 
 
 class Guide:
-    """The grammar state of one sequence (an xgrammar ``GrammarMatcher``)."""
+    """The grammar state of one sequence (an xgrammar ``GrammarMatcher``). With ``after`` (bytes)
+    the grammar is inactive until the output's bytes contain it (a reasoning model's
+    ``</think>``, however it was tokenized): until then every token is allowed and none is fed to
+    the matcher; the grammar starts with the token after the one that completed ``after``."""
 
-    __slots__ = ("backend", "matcher")
+    __slots__ = ("backend", "matcher", "after", "active", "_window")
 
-    def __init__(self, backend: GuidedDecodingBackend, matcher) -> None:
+    def __init__(self, backend: GuidedDecodingBackend, matcher, after: Optional[bytes] = None) -> None:
         self.backend = backend
         self.matcher = matcher
+        self.after = after or None
+        self.active = self.after is None
+        self._window = b""
 
     def accept(self, token: int) -> bool:
         """Advance by one generated token; False if the grammar does not allow it (state kept)."""
+        if not self.active:
+            w = self._window + self.backend.token_bytes(int(token))
+            self.active = self.after in w
+            self._window = w[-(len(self.after) - 1):] if len(self.after) > 1 else b""
+            return True
         return bool(self.matcher.accept_token(int(token)))
 
     @property
     def terminated(self) -> bool:
         """True once the grammar has accepted a stop token (nothing more may follow)."""
-        return bool(self.matcher.is_terminated())
+        return self.active and bool(self.matcher.is_terminated())
 
 
 def apply_guides(x: torch.Tensor, raw: torch.Tensor, rows: list) -> torch.Tensor:

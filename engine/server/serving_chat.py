@@ -215,6 +215,13 @@ class ReplyPlan:
             plan.max_calls = 1
         return plan
 
+    def thinks(self, req: ChatCompletionRequest) -> bool:
+        """Whether the reply is expected to reason first: always with ``deepseek_r1``; with
+        ``qwen3`` unless ``chat_template_kwargs`` sets ``enable_thinking`` false."""
+        if self.reasoning == "deepseek_r1":
+            return True
+        return self.reasoning == "qwen3" and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+
     @property
     def parses(self) -> bool:
         return self.tool_parser is not None or self.reasoning is not None
@@ -224,6 +231,10 @@ class ReplyPlan:
         changes = {}
         if self.guided is not None:
             changes["guided_decoding"] = self.guided
+        gd = changes.get("guided_decoding", params.guided_decoding)
+        if gd is not None and self.thinks(req):
+            # the constraint applies to the answer: it starts once the reasoning has ended
+            changes["guided_decoding"] = dataclasses.replace(gd, start_after="</think>")
         if self.skip_special_tokens is not None:
             changes["skip_special_tokens"] = self.skip_special_tokens
         return dataclasses.replace(params, **changes) if changes else params

@@ -75,3 +75,23 @@ def test_triton_refuses_bad_inputs():
         F8.fp8_gemv_triton(torch.randn(1, 32, device=DEVICE), w.float(), torch.ones(16, device=DEVICE))
     with pytest.raises(ValueError, match="per-row scale"):
         F8.fp8_gemv_triton(torch.randn(1, 32, device=DEVICE), w, torch.ones(15, device=DEVICE))
+
+
+@needs_triton
+@pytest.mark.parametrize("static", [False, True])
+def test_row_quantization_kernel_matches_reference(static):
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 200, generator=g) * torch.tensor([[1.0], [30.0], [1e-3]])).to(DEVICE)
+    st = torch.tensor(0.02, device=DEVICE) if static else None
+    q, s = F8.quantize_rows_triton(x, st)
+    qr, sr = F8.quantize_rows_ref(x, st)
+    assert s.shape == (3, 1) and q.dtype == torch.float8_e4m3fn
+    torch.testing.assert_close(s, sr)
+    if DEVICE == "cuda":
+        assert torch.equal(q.float(), qr.float())
+    else:  # the interpreter casts float32 -> e4m3 by truncation, and drops a mantissa carry into the
+        # next binade (-126.1 -> -64, not -128): compare within one e4m3 step, away from binade tops
+        top = (x / s).abs()
+        away = (top.log2() - top.log2().floor()) < 0.9
+        step = torch.maximum(2.0 ** (top.log2().floor() - 3), torch.tensor(2.0 ** -9))
+        assert ((q.float() - qr.float()).abs() <= step)[away].all()

@@ -51,7 +51,7 @@ def client(llm):
 
 @pytest.fixture(scope="module")
 def reasoning_client(llm):
-    return _client(llm, reasoning_parser="deepseek_r1", tool_call_parser="hermes")
+    return _client(llm, reasoning_parser="qwen3", tool_call_parser="hermes")
 
 
 def test_response_format_json_schema_and_json_object(client):
@@ -153,8 +153,11 @@ def test_malformed_tool_output_is_plain_content(client):
 
 
 def test_reasoning_content_split_whole_and_streamed(reasoning_client):
+    # enable_thinking false: the grammar applies from the first token (else it would wait for
+    # </think>), so the regex makes the model write a thinking block
     kw = dict(model=MODEL, messages=MSG, max_tokens=60, seed=0,
-              extra_body={"structured_outputs": {"regex": r"<think>[a-z]{3,8} [a-z]{3,8}</think>\n\n[A-Z][a-z]{2,6}"}})
+              extra_body={"structured_outputs": {"regex": r"<think>[a-z]{3,8} [a-z]{3,8}</think>\n\n[A-Z][a-z]{2,6}"},
+                          "chat_template_kwargs": {"enable_thinking": False}})
     r = reasoning_client.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert len(msg.reasoning_content.split(" ")) == 2 and "<think>" not in msg.reasoning_content
@@ -163,3 +166,19 @@ def test_reasoning_content_split_whole_and_streamed(reasoning_client):
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert (reasoning, content) == (msg.reasoning_content, msg.content)
+
+
+def test_constraint_waits_for_the_end_of_reasoning():
+    from types import SimpleNamespace
+
+    from kvpilot import SamplingParams
+    from kvpilot.server.protocol import ChatCompletionRequest
+    from kvpilot.server.serving_chat import ReplyPlan
+
+    body = {"messages": MSG, "tools": [WEATHER], "tool_choice": "required"}
+    for parser, kwargs, waits in (("deepseek_r1", None, True), ("qwen3", None, True),
+                                  ("qwen3", {"enable_thinking": False}, False), (None, None, False)):
+        req = ChatCompletionRequest.model_validate({**body, "chat_template_kwargs": kwargs})
+        state = SimpleNamespace(reasoning_parser=parser, tool_call_parser=None)
+        params = ReplyPlan.of(state, req).adjust(SamplingParams(), req)
+        assert params.guided_decoding.start_after == ("</think>" if waits else None)

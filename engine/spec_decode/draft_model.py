@@ -120,7 +120,7 @@ class DraftModelProposer:
                 budget -= n
             logits, _ = self.runner.execute(plan)
             for r, i in enumerate(who):
-                last_logits[i] = logits[r]
+                last_logits[i] = logits[r].clone()  # a decode graph's logits are overwritten by the next pass
         # 2. draft 1 from the catch-up logits, then k - 1 decode steps.
         order = [i for i, _, _, _ in live]
         cur = {i: last_logits[i] for i in order}

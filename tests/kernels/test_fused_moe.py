@@ -102,6 +102,26 @@ def test_triton_matches_reference(path, t, e, k, h, i, skew):
 
 
 @needs_triton
+@pytest.mark.parametrize("tma", [True, False])
+def test_grouped_fp16_weight_tiles_by_tma_and_by_pointers(tma):
+    """16-bit weights: the grouped kernels read weight tiles by TMA (a tile past an expert's rows
+    reads the next expert's: I = 24 and H = 40 are not multiples of the 16-row tile) or by
+    pointer loads; both match the float32 reference to fp16 rounding."""
+    from kvpilot.kernels import fused_moe as FM
+
+    x, w13, w2, w, ids = _problem(9, 5, 2, 40, 24, dtype=torch.float16, seed=3, skew=True)
+    old = dict(FM.TUNING)
+    FM.TUNING.update(grouped=[(None, 16, 16, 16, 2, 4, 2)], tma=tma)
+    try:
+        assert FM._use_tma(w13, w2, 16) == (tma and (INTERPRET or torch.cuda.get_device_capability()[0] >= 9))
+        got = FM.fused_moe_triton(x, w13, w2, w, ids, path="grouped")
+    finally:
+        FM.TUNING.update(old)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
+
+
+@needs_triton
 def test_triton_bf16_within_rounding_of_reference():
     from kvpilot.kernels import fused_moe as FM
 

@@ -222,6 +222,7 @@ def test_streaming_parallel_sampling_and_abort_mid_speculation(self_draft_llm, b
     chunks = asyncio.run(stream())
     assert "".join(text for text, _ in chunks) == want.text
     assert [t for _, ids in chunks for t in ids] == want.token_ids
+    assert len(chunks) < len(want.token_ids) / 3  # one chunk per step, every draft accepted
     # n = 3 sampled choices, each a speculating sequence of its own
     out = self_draft_llm.generate(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7))
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 16 for c in out.outputs)

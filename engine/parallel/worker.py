@@ -260,7 +260,7 @@ class PlanDecoder:
                 bt = list(blocks)
             now[seq_id] = bt
             plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row,
-                                     None if lora is None else self.adapter_of(lora)))
+                                     lora=None if lora is None else self.adapter_of(lora)))
         self._tables = now
         return plan
 

@@ -142,21 +142,13 @@ def test_step_timer_summary_matches_statistics():
     assert t.summary() == {}
 
 
-def test_plan_encoding_keeps_each_sequence_lora_adapter_and_verify_flag():
-    """A worker's plan carries every field of the front end's: a sequence's adapter reaches the
-    worker's ``lora`` (not another field), so tensor- and pipeline-parallel ranks apply it."""
-    from types import SimpleNamespace
-
-    from kvpilot.executor import LoRARequest
+def test_plan_encoding_keeps_each_sequence_verify_all_logits_and_inflight_fields():
+    """Every field of a front-end `ScheduledSeq` reaches the worker's copy in its own place (the
+    adapter's round trip: tests/engine/lora/test_lora_tensor_parallel_shards.py)."""
     from kvpilot.parallel.worker import PlanDecoder, PlanEncoder
 
-    req = LoRARequest("a", 1, "/adapters/a")
-    front, worker = SimpleNamespace(request=req), SimpleNamespace(request=req, rank_copy=True)
-    enc, dec = PlanEncoder(), PlanDecoder(adapter_of={req: worker}.__getitem__)
-    plan = [ScheduledSeq(0, [1, 2], 0, [3], True, True, -1, True, front),
-            ScheduledSeq(1, [5], 4, [6], True, lora=None),
-            ScheduledSeq(2, [7], 2, [8], True, inflight_row=0, lora=front)]
-    got = dec.decode(enc.encode(plan))
-    assert [s.lora for s in got] == [worker, None, worker]
-    assert [(s.verify, s.all_logits, s.inflight_row) for s in got] == [(True, True, -1), (False, False, -1),
-                                                                       (False, False, 0)]
+    plan = [ScheduledSeq(0, [1, 2], 0, [3], True, True, -1, True),
+            ScheduledSeq(1, [5], 4, [6], True),
+            ScheduledSeq(2, [7], 2, [8], True, inflight_row=0)]
+    got = PlanDecoder().decode(PlanEncoder().encode(plan))
+    assert got == plan

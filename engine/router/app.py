@@ -9,7 +9,8 @@ replica was chosen and why.
 
 Endpoints of the router itself:
 
-- ``GET /health``: 200 while at least one replica is healthy, else 503 with ``Retry-After``.
+- ``GET /health``: 200 while at least one replica is healthy, else 503 with ``Retry-After``
+  (readiness); ``GET /live``: 200 while the process serves (liveness).
 - ``GET /router/debug``: JSON with the replicas (load, health, KV use, prefix-cache hit rate the
   engine reports), the last decisions (replica, reason, matched blocks, loads) and the settings.
 - ``GET /metrics``: Prometheus text: requests per replica and reason, prompt blocks routed,
@@ -360,6 +361,7 @@ def build_app(router: Router) -> web.Application:
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/live", lambda _request: web.json_response({"status": "ok"}))
     app.router.add_get("/router/debug", router.debug)
     app.router.add_get("/metrics", router.metrics)
     app.router.add_route("*", "/v1/{tail:.*}", router.proxy)

@@ -20,6 +20,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="model directory or Hub id whose tokenizer (and chat template) the engines use; "
                              "default none: only token-id prompts get prefix affinity")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="Hub revision of --tokenizer (branch, tag or commit); default none: main")
     parser.add_argument("--chat-template", default=None,
                         help="the engines' --chat-template, if they were started with one; default none")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="the engines' KV block size in tokens")
@@ -51,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
                               api_key=args.api_key)
     except ValueError as exc:
         raise SystemExit(f"kvpilot router: {exc}") from None
-    tokenizer = PromptTokenizer.from_pretrained(args.tokenizer, args.chat_template) if args.tokenizer else None
+    tokenizer = (PromptTokenizer.from_pretrained(args.tokenizer, args.chat_template, args.tokenizer_revision)
+                 if args.tokenizer else None)
     try:
         asyncio.run(serve(Router(config, tokenizer), args.host, args.port))
     except KeyboardInterrupt:

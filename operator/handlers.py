@@ -208,7 +208,7 @@ def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[d
     if retire:
         kube.delete_if_owned(client, retire, ns, name, uid)
         logger.info("the %s is Ready and serves; deleted the %s", current, retire)
-    if not cr["spec"]["router"]["enabled"]:
+    if not cr["spec"]["router"]["enabled"] and (cr.get("status") or {}).get("routerEndpoint"):
         for kind, child_name in router_children(name):  # switched off: the router goes
             if kube.delete_if_owned(client, kind, ns, child_name, uid):
                 logger.info("spec.router.enabled is false; deleted %s %s", kind, child_name)

@@ -535,7 +535,8 @@ def router_args(cr: dict[str, Any]) -> list[str]:
     args = ["router", "--discover", f"{engines_service_name(meta['name'])}.{ns}.svc:{HTTP_PORT}",
             "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--tokens-per-block", str(block),
             "--imbalance", str(router["imbalance"]), "--slack", str(router["slack"]),
-            "--scrape-interval", str(router["scrapeIntervalSeconds"])]
+            "--scrape-interval", str(router["scrapeIntervalSeconds"]),
+            "--hold-timeout", str(router["holdTimeoutSeconds"])]
     path, hub_id, _claim = _model_location(cr)
     if hub_id:
         args += ["--tokenizer", hub_id, "--tokenizer-revision", spec["model"].get("revision") or "main"]

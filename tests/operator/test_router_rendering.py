@@ -43,8 +43,8 @@ def test_router_objects_and_their_wiring():
     configure_parser(parser)
     parsed = parser.parse_args(args[1:])
     assert args[0] == "router"
-    assert (parsed.discover, parsed.tokens_per_block, parsed.imbalance, parsed.slack) == \
-        ("llama-engines.ml.svc:8000", 16, 0.25, 4.0)
+    assert (parsed.discover, parsed.tokens_per_block, parsed.imbalance, parsed.slack, parsed.hold_timeout) == \
+        ("llama-engines.ml.svc:8000", 16, 0.25, 4.0, 60.0)
     assert (parsed.tokenizer, parsed.tokenizer_revision) == (HUB_ID, "abc123")  # the engines' model and revision
 
 

@@ -291,7 +291,8 @@ class LLM:
         """The engine's `GuidedDecodingBackend` (built on first use: tokenizer tables for xgrammar).
 
         Raises:
-            GuidedDecodingError: ``guided_decoding_backend`` is None, or the engine has no tokenizer.
+            GuidedDecodingError: ``guided_decoding_backend`` is None, the engine has no tokenizer, or
+                xgrammar cannot read the tokenizer (or is not installed).
         """
         if self._guided is None:
             if self.guided_decoding_backend is None:
@@ -301,8 +302,11 @@ class LLM:
                 raise GuidedDecodingError("guided_decoding needs a tokenizer (skip_tokenizer_init=True)")
             with self._guided_lock:
                 if self._guided is None:
-                    self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
-                                                         self.eos_token_ids)
+                    try:
+                        self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
+                                                             self.eos_token_ids)
+                    except (ImportError, RuntimeError, ValueError, TypeError) as exc:
+                        raise GuidedDecodingError(f"guided decoding cannot use this tokenizer: {exc}") from exc
         return self._guided
 
     def _compile_guided(self, params: SamplingParams):

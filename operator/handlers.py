@@ -36,7 +36,7 @@ from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
 from .render import (COMPONENT, LWS_API_VERSION, MANAGED_BY, OWNER_LABEL, desired_replicas, render, router_children,
                      surge_selector, workload_kind)
-from .status import desired_status, merge_conditions, now_rfc3339, status_patch
+from .status import desired_status, lora_status, merge_conditions, now_rfc3339, status_patch
 from . import engine_failures, foreign
 from .events import EVENT_SOURCE, warning_event  # noqa: F401  (EVENT_SOURCE re-exported)
 from .status_writer import update_status
@@ -423,19 +423,44 @@ def foreign_scaler_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger
                        obj["metadata"].get("name"), exc)
 
 
+def _sync_lora_status(client: kube.KubeClient, ns: str, owner: str, logger: Any) -> None:
+    """Write ``status.lora`` (`status.lora_status`: Ready replicas per adapter) when it changed; a CR
+    without adapters (and no ``status.lora`` left to clear) costs no pod listing."""
+
+    def compute(fresh: dict[str, Any]) -> dict[str, Any] | None:
+        spec_lora = ((fresh.get("spec") or {}).get("lora") or {}).get("adapters")
+        old = (fresh.get("status") or {}).get("lora")
+        if not spec_lora and not old:
+            return None
+        try:
+            cr = normalize(fresh)
+        except ValueError:  # an invalid CR: reconcile reports it
+            return None
+        pods = client.list("Pod", ns, {OWNER_LABEL: owner})
+        new = lora_status(cr, pods)
+        return None if new == old else {"lora": new}
+
+    try:
+        update_status(client, ns, owner, compute)
+    except (kube.ApiError, OSError) as exc:
+        logger.warning("could not report status.lora on %s/%s: %s", ns, owner, exc)
+
+
 @kopf.on.event("", "v1", "pods", labels=CHILD_LABELS)
 def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """Carry why an engine pod does not start (or that one serves) into its LLMDeployment's
     ``ModelLoaded`` condition (operator/engine_failures.py), with a Warning Event when it turns
     False. Written only when the condition's status or reason changes, so a crash-looping
     deployment does not rewrite its status on every restart."""
-    if type == "DELETED":
-        return
     pod = _as_dict(body)
     meta = pod.get("metadata") or {}
     if (meta.get("labels") or {}).get("app.kubernetes.io/component") != COMPONENT:
         return  # a router pod
     owner = (meta.get("labels") or {}).get(OWNER_LABEL)
+    if owner:
+        _sync_lora_status(memo.kube, meta.get("namespace") or "default", owner, logger)
+    if type == "DELETED":
+        return
     cond = engine_failures.model_loaded_condition(pod)
     if not owner or cond is None:
         return

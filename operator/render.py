@@ -237,6 +237,8 @@ def engine_args(cr: dict[str, Any]) -> list[str]:
         "--served-model-name", served_model_name(cr),
         "--drain-timeout", str(engine["drainTimeoutSeconds"]),
     ]
+    if spec["parallelism"].get("expert") is not None:  # MoE: expert groups within the TP ranks, no extra GPUs
+        args += ["--moe-expert-parallel-size", str(spec["parallelism"]["expert"])]
     for field, flag in (("maxSeqLen", "--max-seq-len"), ("maxBatchSize", "--max-batch-size"),
                         ("maxNumTokens", "--max-num-tokens"), ("dtype", "--dtype")):
         if engine.get(field) is not None:

@@ -197,7 +197,7 @@ class SpeculativeDecoder:
             if not batch:
                 break
             appended += len(batch)
-            core._finish_outputs(batch)  # slow part now: the next position may follow at once
+            core._finish_outputs(batch)  # the slow part at once: the next position may follow
         _coalesce(core._outbox, mark)
         kv = core.kv
         st = self._step

@@ -67,7 +67,7 @@ class DraftModelProposer:
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
         """After verification: the draft K/V of the sequence's first ``L + min(accepted, k - 1)``
-        positions is valid (``L`` = ``num_tokens_before``); blocks past its new length are freed."""
+        positions is valid (``L`` = ``num_tokens_before``); blocks past that length are freed."""
         st = self.states.get(seq.seq_id)
         if st is None:
             return

@@ -120,11 +120,12 @@ def modelopt_checkpoint(tmp: Path, calib: list[list[int]], kv_fp8: bool = False,
     return out, ref, {"mode": "static", "scales": input_scales, "quantized": sorted(deq)}
 
 
-def block_fp8_checkpoint(tmp: Path, block: int = 128):
+def block_fp8_checkpoint(tmp: Path, block: int = 128, inter: int = 320):
     """Block-wise FP8 (``quant_method: "fp8"``, ``weight_block_size: [block, block]``,
-    ``weight_scale_inv``) of a tiny Llama whose projections are whole 128-blocks and partial ones."""
+    ``weight_scale_inv``) of a tiny Llama whose projections are whole 128-blocks and, with the
+    default ``inter``, partial ones (gate/up's parts then start inside a block)."""
     src, out, ref = tmp / "bf", tmp / "blockfp8", tmp / "blockfp8_ref"
-    model = tiny_llama(src, hidden=256, inter=320, heads=2, kv_heads=1, head_dim=128)
+    model = tiny_llama(src, hidden=256, inter=inter, heads=2, kv_heads=1, head_dim=128)
     tensors = {k: t.contiguous() for k, t in model.state_dict().items()}
     deq = {}
     for name, m in _linears(model).items():

@@ -185,7 +185,7 @@ class LLM:
         self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
         if lora_config is not None:
             self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
-            for d in lora_config.lora_dir:  # checked against the model now, not at first use
+            for d in lora_config.lora_dir:  # checked against the model at start-up, not at first use
                 self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,

@@ -1,4 +1,5 @@
-"""Triton mixture-of-experts experts: two launches per layer, plus a sum over each token's choices.
+"""Triton mixture-of-experts experts: two kernel launches per layer (after `moe_align`'s PyTorch
+ops on the grouped path), then a sum over each token's choices.
 
 `fused_moe_triton(x, w13, w2, topk_weights, topk_ids)` computes `kvpilot.kernels.moe.fused_moe_ref`'s
 value (layouts in ``kernels/moe.py``). Every ``(token, slot)`` pair ``p = t * K + k`` gets one row
@@ -16,8 +17,9 @@ is read back to the host and the launches can be captured in a CUDA graph) retur
 Small-token path (``T <= TUNING["small_max_tokens"]``, decode): no sort. One program per (pair,
 column tile); the program of the first pair that chose expert ``e`` serves every token that chose
 ``e`` (the others return, as do pairs of id ``-1``), so each selected expert's weight tile is read
-from memory once per step however many tokens share it. Products are broadcast multiply-and-sum in float32 registers
-(``T_MAX`` tokens at most), which suits the few rows of a decode batch better than ``tl.dot``.
+from memory once per step however many tokens share it. Products are broadcast multiply-and-sum in
+float32 registers (``T_MAX`` tokens at most), which suits the few rows of a decode batch better
+than ``tl.dot``.
 
 Weight tiles of the grouped path come by TMA (host tensor descriptors over the ``[E * 2I, H]`` and
 ``[E * H, I]`` views; a tile that runs past an expert's rows reads the next expert's, whose columns

@@ -273,7 +273,7 @@ def preflight(args: argparse.Namespace) -> None:
     if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
-        _lora_config(args)  # bad counts are one line now
+        _lora_config(args)  # a bad count is a one-line error before the engine loads
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:

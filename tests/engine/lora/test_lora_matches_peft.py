@@ -185,6 +185,13 @@ def test_bad_adapters_and_requests_are_clear_errors(setup, tmp_path):
         LoraConfig(max_loras=4, max_cpu_loras=2)
 
 
+@pytest.mark.parametrize("bad", [5, [3], {"a": "p"}])
+def test_lora_dir_that_is_not_paths_is_a_value_error_naming_the_field(bad, tmp_path):
+    with pytest.raises(ValueError, match="LoraConfig.lora_dir must be a list of adapter directories"):
+        LoraConfig(lora_dir=bad)
+    assert LoraConfig(lora_dir=tmp_path).lora_dir == [str(tmp_path)]
+
+
 def test_lora_request_without_lora_config_is_refused(tmp_path):
     base = make_tiny_llama(tmp_path / "base", seed=5, layers=1)
     with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32",

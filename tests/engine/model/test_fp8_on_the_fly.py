@@ -104,6 +104,13 @@ def test_quant_config_refuses_other_algorithms(algo):
         QuantConfig(kv_cache_quant_algo="INT8")
 
 
+@pytest.mark.parametrize("bad", [5, "model.layers.0.*", ["lm_head", 3]])
+def test_exclude_modules_of_the_wrong_type_is_a_value_error_naming_the_field(bad):
+    with pytest.raises(ValueError, match="exclude_modules must be a list of module names"):
+        QuantConfig(quant_algo="FP8", exclude_modules=bad)
+    assert QuantConfig(quant_algo="FP8", exclude_modules=("lm_head",)).exclude_modules == ["lm_head"]
+
+
 def test_kv_cache_quant_algo_conflicting_with_kv_dtype():
     with pytest.raises(ValueError, match="conflicts"):
         QuantConfig(kv_cache_quant_algo="FP8").kv_cache_dtype(KvCacheConfig(dtype="bfloat16"))

@@ -42,6 +42,12 @@ def configs():
                                       layer_types=["sliding_attention"] * 3 + ["full_attention"]),
                    T.Gemma3ForCausalLM, 0.0),
         "phi3": (T.Phi3Config(**base, partial_rotary_factor=0.75, pad_token_id=0), T.Phi3ForCausalLM, 1.0),
+        # Mixture of experts: kvpilot's Triton MoE kernels on the GPU (kernels/fused_moe.py).
+        "mixtral": (T.MixtralConfig(**base, num_local_experts=8, num_experts_per_tok=2), T.MixtralForCausalLM, 1.0),
+        "qwen3_moe": (T.Qwen3MoeConfig(**base, head_dim=64, moe_intermediate_size=512, num_experts=32,
+                                       num_experts_per_tok=4, norm_topk_prob=True), T.Qwen3MoeForCausalLM, 1.0),
+        "qwen2_moe": (T.Qwen2MoeConfig(**base, moe_intermediate_size=512, shared_expert_intermediate_size=1408,
+                                       num_experts=16, num_experts_per_tok=4), T.Qwen2MoeForCausalLM, 1.0),
     }
 
 

@@ -15,6 +15,7 @@ import sys
 # (subcommand, module, help). `convert` takes a source format as a further subcommand.
 _COMMANDS = [
     ("serve", "kvpilot.server.cli", "run the OpenAI-compatible HTTP server for one model"),
+    ("router", "kvpilot.router.cli", "run a prefix- and load-aware OpenAI-compatible proxy in front of engines"),
     ("bench", "kvpilot.tools.bench", "benchmarks: serving latency, offline throughput, batch-1 latency"),
     ("operator", "kvpilot.operator.cli_operator", "run the LLMDeployment operator (kopf)"),
     ("render", "kvpilot.operator.cli_render", "print the manifests the operator would apply for a CR"),

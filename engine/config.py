@@ -153,6 +153,7 @@ class QuantConfig:
         kvpilot.model.quantization.UnsupportedQuantizationError (a ValueError): an algorithm kvpilot
             does not apply on the fly (NVFP4, INT4 AWQ/GPTQ, INT8 SmoothQuant, ...), naming the
             supported ones.
+        ValueError: ``exclude_modules`` not a list of strings.
     """
 
     quant_algo: Optional[Union[str, QuantAlgo]] = None
@@ -175,7 +176,8 @@ class QuantConfig:
             raise UnsupportedQuantizationError(f"kv_cache_quant_algo {self.kv_cache_quant_algo!r} is not "
                                                f"supported; supported: FP8 (or None)")
         if self.exclude_modules is not None:
-            if isinstance(self.exclude_modules, str) or not all(isinstance(m, str) for m in self.exclude_modules):
+            if not isinstance(self.exclude_modules, (list, tuple)) or \
+                    not all(isinstance(m, str) for m in self.exclude_modules):
                 raise ValueError(f"exclude_modules must be a list of module names, got {self.exclude_modules!r}")
             self.exclude_modules = list(self.exclude_modules)
 

@@ -192,7 +192,7 @@ class LLM:
         self.lora_cache = None  # kvpilot.lora.adapter.AdapterCache with lora_config
         if lora_config is not None:
             self.lora_cache = _lora_cache(self._executor, lora_config, cfg)
-            for d in lora_config.lora_dir:  # checked against the model now, not at first use
+            for d in lora_config.lora_dir:  # checked against the model at start-up, not at first use
                 self.lora_cache.preload(d)
         self._core = EngineCore(self._executor, self.tokenizer, self.eos_token_ids, max_num_tokens,
                                 max_batch_size, self.max_seq_len, self.kv_cache_config.enable_block_reuse,
@@ -298,7 +298,8 @@ class LLM:
         """The engine's `GuidedDecodingBackend` (built on first use: tokenizer tables for xgrammar).
 
         Raises:
-            GuidedDecodingError: ``guided_decoding_backend`` is None, or the engine has no tokenizer.
+            GuidedDecodingError: ``guided_decoding_backend`` is None, the engine has no tokenizer, or
+                xgrammar cannot read the tokenizer (or is not installed).
         """
         if self._guided is None:
             if self.guided_decoding_backend is None:
@@ -308,8 +309,11 @@ class LLM:
                 raise GuidedDecodingError("guided_decoding needs a tokenizer (skip_tokenizer_init=True)")
             with self._guided_lock:
                 if self._guided is None:
-                    self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
-                                                         self.eos_token_ids)
+                    try:
+                        self._guided = GuidedDecodingBackend(self.tokenizer, self.model_config.vocab_size,
+                                                             self.eos_token_ids)
+                    except (ImportError, RuntimeError, ValueError, TypeError) as exc:
+                        raise GuidedDecodingError(f"guided decoding cannot use this tokenizer: {exc}") from exc
         return self._guided
 
     def _compile_guided(self, params: SamplingParams):

@@ -14,7 +14,7 @@ checkpoint format defines them:
 
 ``fp8_gemv_ref`` is the PyTorch reference (dequantize to float32, then ``x.float() @ W.T``),
 `fp8_gemv` the dispatcher (Triton for CUDA inputs of at most `FP8_GEMV_MAX_ROWS` rows, else the
-reference). A program owns ``BLOCK_N`` output columns for all ``M <= BLOCK_M`` rows and walks all
+reference); `quantize_rows` rounds activations to FP8 per row in one launch (before ``_scaled_mm``). A program owns ``BLOCK_N`` output columns for all ``M <= BLOCK_M`` rows and walks all
 of K with a ``[BLOCK_M, BLOCK_N, BLOCK_K]`` register accumulator summed once at the end.
 """
 
@@ -30,16 +30,25 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     triton = None
 
-#: rows up to which `fp8_gemv` runs the Triton kernel on CUDA (larger: cuBLASLt ``_scaled_mm``)
-FP8_GEMV_MAX_ROWS = 8
+#: rows up to which `fp8_gemv` runs the Triton kernel on CUDA by default. Measured on an H200
+#: (benchmarks/gpu_fp8.py, CUDA graphs, Llama-3.1-8B projections): at M = 1 the kernel reads FP8
+#: weights at 1.9-2.6 TB/s and beats both the bf16 GEMV and the FP8 ``_scaled_mm`` path; at M = 2
+#: ``_scaled_mm`` (per-token quantization included) took 133 us over the four projections against
+#: the kernel's 153, so per-row weights with activation scales go to ``_scaled_mm`` from M = 2.
+FP8_GEMV_MAX_ROWS = 1
+
+#: largest M the kernel accepts, and the dispatch limit for layers without a ``_scaled_mm`` path
+#: (block scales, weight-only), whose alternative is dequantizing the whole weight per call
+FP8_GEMV_MAX_ROWS_ANY = 8
 
 #: launch table of `fp8_gemv`: ``(max rows, (block_n, block_k, num_warps))``, the first row with
-#: ``M <= max rows`` is used (benchmarks/gpu_fp8.py sweeps it on the GPU, timed in CUDA graphs)
+#: ``M <= max rows`` is used: per M the launch with the least total time over the four
+#: Llama-3.1-8B projections in benchmarks/gpu_fp8.py's sweep on an H200 (benchmarks/gpu_fp8_h200.json)
 FP8_GEMV_CONFIGS: list[tuple[int, tuple[int, int, int]]] = [
-    (1, (2, 4096, 4)),
-    (2, (4, 1024, 4)),
-    (4, (8, 512, 4)),
-    (8, (8, 256, 8)),
+    (1, (8, 1024, 4)),
+    (2, (4, 512, 4)),
+    (4, (8, 256, 4)),
+    (8, (8, 256, 4)),
 ]
 
 
@@ -127,13 +136,13 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     bias: Optional[torch.Tensor] = None, block: Optional[tuple[int, int]] = None,
                     out_dtype: Optional[torch.dtype] = None, block_n: Optional[int] = None,
                     block_k: Optional[int] = None, num_warps: Optional[int] = None) -> torch.Tensor:
-    """Triton version of `fp8_gemv_ref` for ``M <= FP8_GEMV_MAX_ROWS`` (same contract).
+    """Triton version of `fp8_gemv_ref` for ``M <= FP8_GEMV_MAX_ROWS_ANY`` (same contract).
 
     ``block_n`` / ``block_k`` / ``num_warps``: the launch (output columns per program, K tile,
     warps); each left None comes from `fp8_gemv_config`.
 
     Raises:
-        ValueError: more rows than `FP8_GEMV_MAX_ROWS`, a weight that is not FP8 E4M3 ``[N, K]``
+        ValueError: more rows than `FP8_GEMV_MAX_ROWS_ANY`, a weight that is not FP8 E4M3 ``[N, K]``
             contiguous along K, a scale shape that does not fit, or a ``block_k`` the kernel's K
             tile does not divide.
     """
@@ -146,8 +155,8 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         raise ValueError(f"fp8_gemv: weight must be float8_e4m3fn, contiguous along K; got {weight.dtype}")
     m, k = x.shape
     n = weight.shape[0]
-    if m > FP8_GEMV_MAX_ROWS:
-        raise ValueError(f"fp8_gemv: {m} rows exceed FP8_GEMV_MAX_ROWS={FP8_GEMV_MAX_ROWS}")
+    if m > FP8_GEMV_MAX_ROWS_ANY:
+        raise ValueError(f"fp8_gemv: {m} rows exceed FP8_GEMV_MAX_ROWS_ANY={FP8_GEMV_MAX_ROWS_ANY}")
     dn, dk, dw = fp8_gemv_config(m)
     block_n, block_k, num_warps = block_n or dn, block_k or dk, num_warps or dw
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
@@ -180,11 +189,14 @@ def fp8_gemv_triton(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None,
-             block: Optional[tuple[int, int]] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """`fp8_gemv_triton` for CUDA ``x`` of at most `FP8_GEMV_MAX_ROWS` rows, else `fp8_gemv_ref`."""
+             block: Optional[tuple[int, int]] = None, out_dtype: Optional[torch.dtype] = None,
+             max_rows: Optional[int] = None) -> torch.Tensor:
+    """`fp8_gemv_triton` for CUDA ``x`` of at most ``max_rows`` (default `FP8_GEMV_MAX_ROWS`)
+    rows, else `fp8_gemv_ref`."""
     from . import triton_available
 
-    if x.is_cuda and x.dim() == 2 and x.shape[0] <= FP8_GEMV_MAX_ROWS and triton_available():
+    limit = FP8_GEMV_MAX_ROWS if max_rows is None else min(max_rows, FP8_GEMV_MAX_ROWS_ANY)
+    if x.is_cuda and x.dim() == 2 and x.shape[0] <= limit and triton_available():
         return fp8_gemv_triton(x, weight, scale, bias, block, out_dtype)
     return fp8_gemv_ref(x, weight, scale, bias, block, out_dtype)
 

@@ -11,6 +11,9 @@ state; the download init containers' failures are kept the same way.
 
 - ``False``, reason ``TensorParallelMismatch``: the engine's layout error, with the model's
   count and the tensor-parallel sizes that would work;
+- ``False``, reason ``LoRAAdapterFailed``: an adapter of ``spec.lora.adapters`` that the engine
+  could not load at start (a missing directory, a rank above ``maxLoraRank``, an adapter of another
+  model), with the adapter's name and the engine's reason;
 - ``False``, reason ``DownloadFailed`` / ``EngineFailed``: another non-zero exit of the download
   or the engine, with the last line it wrote;
 - ``True``, reason ``Serving``: the pod is Ready;
@@ -31,6 +34,9 @@ DOWNLOAD_PREFIX = "download-"  # download-model, download-lora-N
 LAYOUT_ERROR = re.compile(
     r"tensor_parallel_size (?P<tp>\d+) must divide(?P<or_multiple>, or be a multiple of,)? "
     r"(?P<what>num_attention_heads|num_key_value_heads|intermediate_size) (?P<n>\d+)")
+
+#: The engine's LoRA adapter errors (kvpilot.lora.adapter.load_adapter: "LoRA adapter 'NAME': WHY").
+LORA_ERROR = re.compile(r"LoRA adapter '(?P<name>[^']+)': (?P<why>[^\n]+)")
 
 _WHAT = {"num_attention_heads": "attention heads", "num_key_value_heads": "KV heads",
          "intermediate_size": "MLP channels"}
@@ -94,6 +100,12 @@ def model_loaded_condition(pod: dict[str, Any]) -> dict[str, str] | None:
             if layout:
                 return {"type": CONDITION, "status": "False", "reason": "TensorParallelMismatch",
                         "message": f"{layout} (pod {name})"}
+            lora = list(LORA_ERROR.finditer(text)) if container == ENGINE_CONTAINER else []
+            if lora:
+                m = lora[-1]
+                return {"type": CONDITION, "status": "False", "reason": "LoRAAdapterFailed",
+                        "message": f"LoRA adapter {m['name']} (spec.lora.adapters) failed to load: "
+                                   f"{m['why'].strip()[:400]} (pod {name})"}
             line = _last_line(text) or f"exit code {term.get('exitCode')}, reason {term.get('reason') or 'unknown'}"
             return {"type": CONDITION, "status": "False", "reason": reason,
                     "message": f"the {container} container of pod {name} exited: {line}"}

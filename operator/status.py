@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .render import desired_replicas, endpoint, selector_string, serving_selector, shape_of, workload_kind
+from .render import (desired_replicas, endpoint, router_endpoint, selector_string, serving_selector, shape_of,
+                     workload_kind)
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded")
 
@@ -129,6 +130,7 @@ def desired_status(cr: dict[str, Any], child: dict[str, Any] | None, now: str,
         "parallelism": f"{shape.tensor}x{shape.pipeline}",
         "workload": workload_kind(cr),
         "model": model_status(spec),
+        "routerEndpoint": router_endpoint(cr),
         "conditions": merge_conditions(old.get("conditions") or [], workload_conditions(cr, child), now,
                                        generation if observed_generation else None),
     }
@@ -144,3 +146,52 @@ def status_patch(cr: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``desired`` whose values differ from ``cr.status``; empty when settled."""
     old = cr.get("status") or {}
     return {k: v for k, v in desired.items() if old.get(k) != v}
+
+
+def _pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def pod_lora_names(pod: dict[str, Any]) -> list[str]:
+    """The adapter names an engine pod serves: its engine container's ``--lora-modules name=path ...``."""
+    from .render import ENGINE_CONTAINER
+
+    for c in (pod.get("spec") or {}).get("containers") or ():
+        if c.get("name") != ENGINE_CONTAINER:
+            continue
+        args = [str(a) for a in c.get("args") or ()]
+        if "--lora-modules" not in args:
+            return []
+        names = []
+        for a in args[args.index("--lora-modules") + 1:]:
+            if a.startswith("--"):
+                break
+            names.append(a.partition("=")[0])
+        return names
+    return []
+
+
+def lora_status(cr: dict[str, Any], pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``status.lora``: per adapter, the Ready serving pods (replicas) that serve it.
+
+    An engine is Ready only after it has loaded every adapter of its ``--lora-modules``
+    (`kvpilot.server.cli.load_lora_modules`), so a Ready pod whose arguments name an adapter has
+    it. Adapters of ``spec.lora.adapters`` come first, in order (0 while none serves them); names
+    only older pods still serve (a rollout removing them) follow, sorted.
+    """
+    from .render import serving_selector
+
+    selector = serving_selector(cr)
+    counts: dict[str, int] = {}
+    for pod in pods:
+        labels = (pod.get("metadata") or {}).get("labels") or {}
+        if any(labels.get(k) != v for k, v in selector.items()) or not _pod_ready(pod):
+            continue
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        for name in dict.fromkeys(pod_lora_names(pod)):
+            counts[name] = counts.get(name, 0) + 1
+    wanted = [a["name"] for a in ((cr.get("spec") or {}).get("lora") or {}).get("adapters") or ()]
+    names = wanted + sorted(n for n in counts if n not in wanted)
+    return [{"name": n, "readyReplicas": counts.get(n, 0)} for n in names]

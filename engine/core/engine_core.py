@@ -77,6 +77,13 @@ step, and the engine keeps serving; the tokens they read are counted in the next
 error in ``finish`` of an in-flight step fails the step (its logits may be overwritten, so rows
 cannot be sampled apart; row errors come from ``launch``, which still isolates them). Stats report
 each token in the step that read it.
+
+Speculative decoding (``speculative``, a `kvpilot.spec_decode.decoder.SpeculativeDecoder`): before
+the schedule it sets each decoding sequence's drafts (``Sequence.spec_token_ids``, which the
+scheduler counts); such a sequence's plan entry is its last token plus the drafts with logits at
+every position; after the pass its drafts are verified and its tokens appended there
+(`SpeculativeDecoder.verify`), beside the other rows' sampling. Steps then run in the synchronous
+order.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,7 +26,8 @@ class LoraConfig:
             each adapter's ``adapter_config.json`` / tensors.
 
     Raises:
-        ValueError: a non-positive count or rank, or ``max_cpu_loras < max_loras``.
+        ValueError: ``lora_dir`` not a path or a list of paths, a non-positive count or rank, or
+            ``max_cpu_loras < max_loras``.
     """
 
     lora_dir: list[str] = field(default_factory=list)
@@ -35,9 +37,12 @@ class LoraConfig:
     lora_target_modules: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if isinstance(self.lora_dir, str):
+        if isinstance(self.lora_dir, (str, os.PathLike)):
             self.lora_dir = [self.lora_dir]
-        self.lora_dir = [str(d) for d in self.lora_dir]
+        if not isinstance(self.lora_dir, (list, tuple)) or \
+                not all(isinstance(d, (str, os.PathLike)) for d in self.lora_dir):
+            raise ValueError(f"LoraConfig.lora_dir must be a list of adapter directories, got {self.lora_dir!r}")
+        self.lora_dir = [os.fspath(d) for d in self.lora_dir]
         for name in ("max_lora_rank", "max_loras"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -15,8 +15,9 @@ own a contiguous ``layer_range``.
 Decode fast path (``fused_gemv``, ``Tuning.fused_gemv``; `kvpilot.model.llama`'s docstring): a
 pre-norm layer whose QKV and gate/up weights the fused GEMV kernels read, with a SiLU `GatedMLP`,
 runs RMSNorm + QKV, ``o_proj``, RMSNorm + gate/up, SiLU + ``down_proj`` through
-``kernels/gemv.py``'s dispatchers; other layers (Gemma's sandwich norms and GeGLU, an MoE block,
-quantized weights) take the unfused modules. Both compute the same values on CPU.
+``kernels/gemv.py``'s dispatchers; an MoE layer fuses its attention the same way and then runs its
+MoE block; other layers (Gemma's sandwich norms and GeGLU, quantized weights) take the unfused
+modules. Both compute the same values on CPU.
 """
 
 from __future__ import annotations
@@ -138,8 +139,10 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, off)
         self.fused_gemv = fused_gemv
-        self.can_fuse = (not self.sandwich and getattr(self.mlp, "fusable", False)
-                         and self.self_attn.qkv_proj.quant_method.supports_fused_gemv)
+        # The fused GEMVs serve the attention of a pre-norm layer whose QKV weight they read, and
+        # the MLP too when it is a SiLU `GatedMLP` (an MoE block runs its own kernels after them).
+        self.can_fuse = not self.sandwich and self.self_attn.qkv_proj.quant_method.supports_fused_gemv
+        self.can_fuse_mlp = self.can_fuse and getattr(self.mlp, "fusable", False)
 
     def forward(self, positions, hidden, residual, meta, kv_cache, cos_sin_cache):
         lora = self.self_attn.qkv_proj.lora  # a step with LoRA adapters takes the unfused modules
@@ -167,6 +170,9 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, qkv_proj.weight, qkv_proj.bias)
         hidden = attn.attend(positions, qkv, meta, kv_cache, cos_sin_cache, fused_gemv=True)
+        if not self.can_fuse_mlp:  # e.g. an MoE block
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return mlp(hidden), residual
         ln, gate_up_proj = self.post_attention_layernorm, mlp.gate_up_proj
         gate_up, residual = KG.rmsnorm_gemv(hidden, residual, ln.weight, ln.eps, gate_up_proj.weight,
                                             gate_up_proj.bias)

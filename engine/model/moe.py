@@ -71,8 +71,8 @@ class SparseMoeBlock(nn.Module):
         if activation_of(activation) != "silu":
             raise ValueError(f"MoE experts support the SiLU activation only, got {activation!r}")
         if quant_method is not None and not isinstance(quant_method, UnquantizedLinearMethod):
-            raise ValueError("quantized mixture-of-experts checkpoints are not supported; the experts load "
-                             "16/32-bit weights only")
+            raise ValueError("quantized mixture-of-experts models (a quantized checkpoint, or on-the-fly FP8) are "
+                             "not supported; the experts load 16/32-bit weights only")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.backend = check_backend(backend)

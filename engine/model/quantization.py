@@ -204,11 +204,13 @@ class Fp8LinearMethod(QuantizationMethod):
       inputs rounded through FP8 as the scheme says (`fake_quantize_activation`; block checkpoints
       keep them unrounded), weights dequantized to float32 (`kvpilot.kernels.fp8_gemv.dequantize_fp8`),
       one float32 product;
-    - CUDA, ``T <= FP8_GEMV_MAX_ROWS``: `kvpilot.kernels.fp8_gemv.fp8_gemv` (Triton; FP8 weights read
-      once, activations not rounded);
-    - CUDA, larger ``T``, per-row scales with activations: inputs quantized (static, per-tensor or
-      per-token scales), ``torch._scaled_mm`` (cuBLASLt / CUTLASS row-wise scaling on Hopper) with
-      the activation and weight scales in its epilogue, bf16 out;
+    - CUDA, ``T <= FP8_GEMV_MAX_ROWS`` (1; ``FP8_GEMV_MAX_ROWS_ANY`` = 8 for layers without the
+      next path): `kvpilot.kernels.fp8_gemv.fp8_gemv` (Triton; FP8 weights read once, activations
+      not rounded);
+    - CUDA, larger ``T``, per-row scales with activations: inputs quantized (static or per-token
+      scales in one launch, `kvpilot.kernels.fp8_gemv.quantize_rows`; per-tensor dynamic in torch),
+      ``torch._scaled_mm`` (row-wise scaling on Hopper) with the activation and weight scales in its
+      epilogue, bf16 out;
     - CUDA otherwise (weight-only, block weights): weights dequantized to the model dtype, ``F.linear``.
 
     ``ignore``: checkpoint module names left unquantized (`is_ignored`, ``match`` style "fnmatch"
@@ -302,10 +304,12 @@ class Fp8LinearMethod(QuantizationMethod):
         sch, scale = self.scheme, self.weight_scale_of(layer)
         out = out_dtype or x.dtype
         if x.is_cuda and not self.reference:
-            if x.shape[0] <= fp8_gemv.FP8_GEMV_MAX_ROWS:
-                return fp8_gemv.fp8_gemv(x, layer.weight, scale, bias, layer.scale_block, out)
             n, k = layer.weight.shape
-            if sch.activations is not None and layer.scale_block is None and n % 16 == 0 and k % 16 == 0:
+            scaled_mm = sch.activations is not None and layer.scale_block is None and n % 16 == 0 and k % 16 == 0
+            limit = fp8_gemv.FP8_GEMV_MAX_ROWS if scaled_mm else fp8_gemv.FP8_GEMV_MAX_ROWS_ANY
+            if x.shape[0] <= limit:
+                return fp8_gemv.fp8_gemv(x, layer.weight, scale, bias, layer.scale_block, out, max_rows=limit)
+            if scaled_mm:
                 return self._scaled_mm(layer, x, scale, bias, out)
             y = torch.nn.functional.linear(x, self.dequantized_weight(layer, x.dtype), bias)
             return y.to(out)

@@ -133,6 +133,11 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
         t = sl[:]
         p = params.get(name)
         if p is not None and t.dim() == 2 and p.dim() == 2 and t.shape[1] != p.shape[1]:
+            local_k = params[name.rsplit(".", 1)[0] + ".weight"].shape[1]
+            if block is None or local_k % block[1]:
+                raise ValueError(f"{name}: this rank's {local_k} input columns do not start on a "
+                                 f"{block[1] if block else '?'}-column scale block; choose a tensor_parallel_size "
+                                 f"that splits the input size into whole blocks")
             c = p.shape[1]
             t = t[:, r * c:(r + 1) * c]
         return t

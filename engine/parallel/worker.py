@@ -195,7 +195,7 @@ class PlanEncoder:
 
     def encode(self, plan: list[ScheduledSeq]) -> list[tuple]:
         """``plan`` -> list of ``(seq_id, token_ids, start_pos, mode, blocks, sample, all_logits,
-        inflight_row, lora)``; ``lora`` is the sequence's `LoRARequest` (not the adapter's tensors:
+        inflight_row, verify, lora)``; ``lora`` is the sequence's `LoRARequest` (not the adapter's tensors:
         each rank loads its own copy on first use) or None."""
         sent = self._sent
         out, now = [], {}
@@ -206,10 +206,10 @@ class PlanEncoder:
             lora = s.lora.request if s.lora is not None else None
             if prev is not None and prev[0] is bt and m >= prev[1] and s.seq_id not in now:
                 out.append((s.seq_id, s.token_ids, s.start_pos, _BT_APPEND, bt[prev[1]:], s.sample, s.all_logits,
-                            s.inflight_row, lora))
+                            s.inflight_row, s.verify, lora))
             else:
                 out.append((s.seq_id, s.token_ids, s.start_pos, _BT_FULL, bt, s.sample, s.all_logits,
-                            s.inflight_row, lora))
+                            s.inflight_row, s.verify, lora))
             now[s.seq_id] = (bt, m)
         self._sent = now
         return out
@@ -230,7 +230,7 @@ class PlanDecoder:
     def decode(self, encoded: list[tuple]) -> list[ScheduledSeq]:
         tables = self._tables
         plan, now = [], {}
-        for seq_id, toks, start, mode, blocks, sample, all_logits, inflight_row, lora in encoded:
+        for seq_id, toks, start, mode, blocks, sample, all_logits, inflight_row, verify, lora in encoded:
             if mode == _BT_APPEND:
                 bt = tables[seq_id]
                 if blocks:
@@ -238,8 +238,8 @@ class PlanDecoder:
             else:
                 bt = list(blocks)
             now[seq_id] = bt
-            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits, inflight_row,
-                                     None if lora is None else self.adapter_of(lora)))
+            plan.append(ScheduledSeq(seq_id, toks, start, bt, sample, all_logits=all_logits, inflight_row=inflight_row,
+                                     verify=verify, lora=None if lora is None else self.adapter_of(lora)))
         self._tables = now
         return plan
 

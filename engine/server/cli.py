@@ -185,14 +185,26 @@ def bind_listen_socket(host: str, port: int) -> socket.socket:
 
 
 def _lora_config(args: argparse.Namespace) -> Any:
-    """The `LoraConfig` of ``--enable-lora`` and its flags (None without it); every
-    ``--lora-modules`` path is read at start-up."""
+    """The `LoraConfig` of ``--enable-lora`` and its flags (None without it). The
+    ``--lora-modules`` adapters are read by `load_lora_modules` once the engine is built."""
     if not getattr(args, "enable_lora", False):
         return None
     from kvpilot.lora.config import LoraConfig
 
-    return LoraConfig(lora_dir=[p for _, p in args.lora_modules], max_loras=args.max_loras,
-                      max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else max(args.max_loras, len(args.lora_modules))
+    return LoraConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=cpu)
+
+
+def load_lora_modules(llm: Any, state: ServerState) -> None:
+    """Read every adapter of ``state.lora_modules`` (``--lora-modules``) into ``llm``'s host cache,
+    under the name and id requests will use, so a bad adapter fails the start-up with its name.
+
+    Raises:
+        FileNotFoundError, ValueError: an adapter that cannot be read or does not fit the model
+            (the message starts with ``LoRA adapter 'NAME':``).
+    """
+    for req in state.lora_modules.values():
+        llm.lora_cache.get(req)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,7 +273,7 @@ def preflight(args: argparse.Namespace) -> None:
     if getattr(args, "lora_modules", None) and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     if getattr(args, "enable_lora", False):
-        _lora_config(args)  # bad counts are one line now
+        _lora_config(args)  # a bad count is a one-line error before the engine loads
         names = [n for n, _ in args.lora_modules]
         dup = sorted({n for n in names if names.count(n) > 1} | ({args.served_model_name or args.model} & set(names)))
         if dup:
@@ -350,7 +362,16 @@ def run(args: argparse.Namespace) -> int:
     for name, path in args.lora_modules:
         state.add_lora(name, path)
     prefixes = ("kvpilot:", "vllm:") if args.metrics_compat == "vllm" else ("kvpilot:",)
-    app = create_app(state, load=lambda: build_engine(args), metrics_prefixes=prefixes)
+    def load() -> Any:
+        llm = build_engine(args)
+        try:
+            load_lora_modules(llm, state)
+        except BaseException:
+            llm.shutdown()
+            raise
+        return llm
+
+    app = create_app(state, load=load, metrics_prefixes=prefixes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(config, state, args.drain_timeout)

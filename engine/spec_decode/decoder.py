@@ -13,7 +13,8 @@ One engine step with speculation (`kvpilot.core.engine_core.EngineCore.step` cal
 3. `verify` (after the pass): `kvpilot.spec_decode.rejection.verify` picks each sequence's tokens;
    they are appended one position at a time across the verified sequences, each through the engine's
    fast and slow output work (stop ids, EOS, ``max_tokens``, stop strings, logprobs, detokenization),
-   so a sequence that stops inside its accepted run keeps nothing after the stop. Then the
+   so a sequence that stops inside its accepted run keeps nothing after the stop; the step's
+   updates of a request are then merged into one (`_coalesce`). Then the
    sequence's computed tokens become ``L + accepted`` (the K/V of rejected positions is stale and
    is overwritten by later steps), full blocks are registered in the prefix cache from accepted
    tokens only, and blocks past the sequence's length are returned to the pool (`KVCacheManager.trim`).
@@ -25,6 +26,7 @@ configured (`EngineCore._overlap_ok`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -184,6 +186,7 @@ class SpeculativeDecoder:
                 at += len(emitted[i])
         lengths = [len(s.token_ids) for s, _, _ in live]
         appended = 0
+        mark = len(core._outbox)
         for j in range(max(len(e) for e in emitted)):
             batch = []
             for i, (seq, _, _) in enumerate(live):
@@ -194,7 +197,8 @@ class SpeculativeDecoder:
             if not batch:
                 break
             appended += len(batch)
-            core._finish_outputs(batch)  # slow part now: the next position may follow at once
+            core._finish_outputs(batch)  # the slow part at once: the next position may follow
+        _coalesce(core._outbox, mark)
         kv = core.kv
         st = self._step
         for i, (seq, p, _) in enumerate(live):
@@ -240,6 +244,24 @@ class SpeculativeDecoder:
         t.num_accepted_tokens += st.num_accepted_tokens
         t.accepted_per_pos = [a + b for a, b in zip(t.accepted_per_pos, st.accepted_per_pos)]
         return st
+
+
+def _coalesce(outbox: list, start: int) -> None:
+    """Merge the updates queued from ``start`` on into one per request (deltas in order; the last
+    update's end state), so a streaming request gets one chunk per step, not one per token."""
+    tail = outbox[start:]
+    if len(tail) < 2:
+        return
+    merged: list = []
+    at: dict[int, int] = {}
+    for output, update in tail:
+        i = at.get(id(output))
+        if i is None:
+            at[id(output)] = len(merged)
+            merged.append((output, update))
+        else:
+            merged[i] = (output, dataclasses.replace(update, deltas=merged[i][1].deltas + update.deltas))
+    outbox[start:] = merged
 
 
 def _params(p) -> tuple[float, int, float, float]:

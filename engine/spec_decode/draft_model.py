@@ -67,7 +67,7 @@ class DraftModelProposer:
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, accepted: int) -> None:
         """After verification: the draft K/V of the sequence's first ``L + min(accepted, k - 1)``
-        positions is valid (``L`` = ``num_tokens_before``); blocks past its new length are freed."""
+        positions is valid (``L`` = ``num_tokens_before``); blocks past that length are freed."""
         st = self.states.get(seq.seq_id)
         if st is None:
             return
@@ -120,7 +120,7 @@ class DraftModelProposer:
                 budget -= n
             logits, _ = self.runner.execute(plan)
             for r, i in enumerate(who):
-                last_logits[i] = logits[r]
+                last_logits[i] = logits[r].clone()  # a decode graph's logits are overwritten by the next pass
         # 2. draft 1 from the catch-up logits, then k - 1 decode steps.
         order = [i for i, _, _, _ in live]
         cur = {i: last_logits[i] for i in order}

@@ -150,6 +150,10 @@ def _common_args(p: argparse.ArgumentParser) -> None:
                    help="accept a context limit beyond the model's max_position_embeddings")
     p.add_argument("--free-gpu-memory-fraction", type=float, default=0.9,
                    help="fraction of the GPU memory left after loading that the KV cache takes (0-1)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: quantize the weights at load (QuantConfig(quant_algo='FP8'), docs/quantization.md); "
+                        "default: the checkpoint's weights")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV-cache element type: auto, fp8, bfloat16, ...")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompt token ids")
     p.add_argument("--output-json", default=None, help="also write the result as JSON here (default: no file)")
 
@@ -183,7 +187,7 @@ def add_subcommands(subparsers) -> None:
 
 
 def _make_llm(args, min_seq_len: int):
-    from kvpilot import LLM, KvCacheConfig
+    from kvpilot import LLM, KvCacheConfig, QuantConfig
 
     model = Path(args.model)
     tok_dir = Path(args.tokenizer) if args.tokenizer else model
@@ -193,7 +197,9 @@ def _make_llm(args, min_seq_len: int):
                    device=args.device, max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
                    max_seq_len=args.max_seq_len or min_seq_len,
                    allow_long_max_seq_len=args.allow_long_max_seq_len,
-                   kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction))
+                   kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=args.free_gpu_memory_fraction,
+                                                 dtype=getattr(args, "kv_cache_dtype", "auto")),
+                   quant_config=QuantConfig(quant_algo="FP8") if getattr(args, "quantization", None) else None)
     except (FileNotFoundError, ValueError) as exc:  # bad arguments (DeviceUnavailableError included): one line
         raise SystemExit(f"kvpilot bench: {exc}") from None
 

@@ -25,6 +25,7 @@ CASES = {
     "context_manager": (None, ""),
     "kv_cache_config": (None, "KV pool:"),
     "chatbot": ("Hello there\nquit\n", "Chatbot ready!"),
+    "lora": (None, "adapter2: "),
 }
 
 

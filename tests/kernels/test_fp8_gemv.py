@@ -95,3 +95,48 @@ def test_row_quantization_kernel_matches_reference(static):
         away = (top.log2() - top.log2().floor()) < 0.9
         step = torch.maximum(2.0 ** (top.log2().floor() - 3), torch.tensor(2.0 ** -9))
         assert ((q.float() - qr.float()).abs() <= step)[away].all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("scheme", ["on_the_fly", "static", "block"])
+@pytest.mark.parametrize("m", [1, 3, 64])
+def test_cuda_paths_match_the_dequantize_reference(scheme, m):
+    """`Fp8LinearMethod.apply` on CUDA (the GEMV at M = 1, ``_scaled_mm`` or the dequantized product
+    above) against its reference path on the same layer, or against the dequantized weights where
+    the CUDA path leaves inputs unrounded (bf16 output rounding apart)."""
+    from kvpilot.model.layers import ParallelContext
+    from kvpilot.model.linear import MergedColumnParallelLinear
+    from kvpilot.model.quantization import Fp8LinearMethod, Fp8Scheme, on_the_fly_fp8
+
+    torch.manual_seed(0)
+    method = {"on_the_fly": on_the_fly_fp8(), "static": Fp8LinearMethod(Fp8Scheme("tensor", "static")),
+              "block": Fp8LinearMethod(Fp8Scheme("block", "group", block=(128, 128), group_size=128,
+                                                 scale_name="weight_scale_inv"))}[scheme]
+    with torch.device("cuda"):
+        layer = MergedColumnParallelLinear(512, [384, 384], False, ParallelContext(), method)
+    w = torch.randn(768, 512, device="cuda") * 0.05
+    with torch.no_grad():
+        if scheme == "on_the_fly":
+            layer.weight.data = w.to(layer.weight.dtype)
+        elif scheme == "static":
+            s = w.abs().amax() / 448
+            layer.weight.copy_((w / s).to(torch.float8_e4m3fn))
+            layer.weight_scale.fill_(float(s))
+            layer.input_scale.fill_(0.02)
+        else:
+            s = w.reshape(6, 128, 4, 128).abs().amax(dim=(1, 3)) / 448
+            layer.weight.copy_((w / s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(torch.float8_e4m3fn))
+            layer.weight_scale_inv.copy_(s.repeat_interleave(128, 0))
+    layer.process_weights_after_loading()
+    x = torch.randn(m, 512, device="cuda").to(torch.bfloat16)
+    got = layer(x).float()
+    if m == 1 or scheme == "block":  # the GEMV and the dequantized product leave inputs unrounded
+        want = x.float() @ method.dequantized_weight(layer).t()
+    else:
+        Fp8LinearMethod.reference = True
+        try:
+            want = layer(x).float()
+        finally:
+            Fp8LinearMethod.reference = False
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

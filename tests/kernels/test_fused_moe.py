@@ -1,5 +1,6 @@
-"""The Triton MoE kernels (``kernels/fused_moe.py``) against the loop-over-experts reference, and
-the reference and routing against transformers' Mixtral / Qwen3-MoE blocks.
+"""The Triton MoE kernels (``kernels/fused_moe.py``) against the loop-over-experts reference (which
+the family tests, tests/engine/model/test_moe_families.py, check against transformers), routing
+and token alignment.
 
 On CPU the kernels run under ``TRITON_INTERPRET=1`` with tiny shapes: both paths (small-token and
 grouped), experts that receive no token, experts chosen by several tokens, a hidden / intermediate
@@ -47,23 +48,6 @@ def test_moe_align_sorts_pairs_by_expert_padded_to_blocks():
     assert all(p == pad for p in pairs.tolist()[8:])
 
 
-def test_reference_matches_transformers_mixtral_block():
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-    cfg = MixtralConfig(hidden_size=24, intermediate_size=40, num_local_experts=6, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    block = MixtralSparseMoeBlock(cfg).eval()
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    x = torch.randn(1, 11, 24)
-    with torch.no_grad():
-        want = block(x)[0]
-        w, ids = select_experts(x[0] @ block.gate.weight.T, 2, renormalize=True)
-        got = fused_moe_ref(x[0], block.experts.gate_up_proj, block.experts.down_proj, w, ids)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-
-
 def test_select_experts_without_renormalisation_keeps_softmax_weights():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     w, ids = select_experts(logits, 2, renormalize=False)
@@ -99,6 +83,26 @@ def test_triton_matches_reference(path, t, e, k, h, i, skew):
         FM.TUNING.update(old)
     want = fused_moe_ref(x, w13, w2, w, ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("tma", [True, False])
+def test_grouped_fp16_weight_tiles_by_tma_and_by_pointers(tma):
+    """16-bit weights: the grouped kernels read weight tiles by TMA (a tile past an expert's rows
+    reads the next expert's: I = 24 and H = 40 are not multiples of the 16-row tile) or by
+    pointer loads; both match the float32 reference to fp16 rounding."""
+    from kvpilot.kernels import fused_moe as FM
+
+    x, w13, w2, w, ids = _problem(9, 5, 2, 40, 24, dtype=torch.float16, seed=3, skew=True)
+    old = dict(FM.TUNING)
+    FM.TUNING.update(grouped=[(None, 16, 16, 16, 2, 4, 2)], tma=tma)
+    try:
+        assert FM._use_tma(w13, w2, 16) == (tma and (INTERPRET or torch.cuda.get_device_capability()[0] >= 9))
+        got = FM.fused_moe_triton(x, w13, w2, w, ids, path="grouped")
+    finally:
+        FM.TUNING.update(old)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), w, ids)
+    torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
 
 
 @needs_triton

@@ -60,6 +60,8 @@ def test_defaults_match_the_issue():
         "storage": {"type": "EmptyDir"},
         "startup": {"timeoutSeconds": 1800},
         "service": {"type": "ClusterIP", "port": 8000},
+        "router": {"enabled": False, "replicas": 1, "imbalance": 0.5, "slack": 8, "scrapeIntervalSeconds": 2,
+                   "holdTimeoutSeconds": 60},
     }
 
 
@@ -155,8 +157,9 @@ def test_every_cel_rule_compiles_and_has_a_message():
             walk(schema["items"])
 
     walk(crd.openapi_schema())
-    # 6 + TP power of two, TP within a node, model URL form, 4 quantities, 4 for lora.adapters
-    assert len(rules) == 17
+    # 6 + TP power of two, TP within a node, model URL form, 4 quantities, 4 for lora.adapters,
+    # expert parallelism dividing tensor
+    assert len(rules) == 18
     for rule in rules:
         assert rule["message"]
         crd._compile_cel(rule["rule"])

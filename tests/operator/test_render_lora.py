@@ -81,3 +81,20 @@ def test_every_pod_of_a_multi_node_group_downloads_the_adapters():
         pod = tpl["spec"]
         assert [c["name"] for c in pod["initContainers"]] == ["download-model", "download-lora-0"]
         assert "sql=/models/lora/acme/sql-lora/main" in pod["containers"][0]["args"]
+
+
+def test_an_adapter_that_fails_to_load_becomes_a_condition_with_the_engines_reason(tmp_path):
+    from kvpilot.executor import LoRARequest
+    from kvpilot.lora.adapter import load_adapter
+    from kvpilot.operator.engine_failures import model_loaded_condition
+
+    with pytest.raises(FileNotFoundError) as info:
+        load_adapter(LoRARequest("sql", 1, str(tmp_path / "gone")), {}, 1, 8, None)
+    log = f"Traceback (most recent call last):\n  ...\nFileNotFoundError: {info.value}\n"
+    pod = {"metadata": {"name": "llama-0"}, "status": {
+        "conditions": [{"type": "Ready", "status": "False"}],
+        "containerStatuses": [{"name": "engine", "lastState": {"terminated": {"exitCode": 1, "message": log}}}]}}
+    cond = model_loaded_condition(pod)
+    assert (cond["status"], cond["reason"]) == ("False", "LoRAAdapterFailed")
+    assert cond["message"] == (f"LoRA adapter sql (spec.lora.adapters) failed to load: no directory "
+                               f"{tmp_path / 'gone'} (pod llama-0)")

@@ -120,11 +120,12 @@ def modelopt_checkpoint(tmp: Path, calib: list[list[int]], kv_fp8: bool = False,
     return out, ref, {"mode": "static", "scales": input_scales, "quantized": sorted(deq)}
 
 
-def block_fp8_checkpoint(tmp: Path, block: int = 128):
+def block_fp8_checkpoint(tmp: Path, block: int = 128, inter: int = 320):
     """Block-wise FP8 (``quant_method: "fp8"``, ``weight_block_size: [block, block]``,
-    ``weight_scale_inv``) of a tiny Llama whose projections are whole 128-blocks and partial ones."""
+    ``weight_scale_inv``) of a tiny Llama whose projections are whole 128-blocks and, with the
+    default ``inter``, partial ones (gate/up's parts then start inside a block)."""
     src, out, ref = tmp / "bf", tmp / "blockfp8", tmp / "blockfp8_ref"
-    model = tiny_llama(src, hidden=256, inter=320, heads=2, kv_heads=1, head_dim=128)
+    model = tiny_llama(src, hidden=256, inter=inter, heads=2, kv_heads=1, head_dim=128)
     tensors = {k: t.contiguous() for k, t in model.state_dict().items()}
     deq = {}
     for name, m in _linears(model).items():
@@ -223,4 +224,26 @@ def reference_model(ref_dir: Path, act: dict):
                 s = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
             return ((x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s,)
         m.register_forward_pre_hook(hook)
+    return model
+
+
+def per_channel_fp8_reference(path):
+    """transformers (float32, eager) on ``path`` with kvpilot's on-the-fly FP8 applied independently:
+    every linear layer but ``lm_head`` dequantized from FP8 E4M3 with one ``amax(|W[n]|) / 448`` scale
+    per output row, and its input rounded through FP8 per token (``amax(|x|) / 448`` per row)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                w = m.weight.float()
+                s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+                m.weight.copy_((w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s)
+
+                def hook(mod, args):
+                    x = args[0].float()
+                    sx = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+                    return ((x / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * sx,)
+                m.register_forward_pre_hook(hook)
     return model

@@ -81,3 +81,24 @@ def test_warm_up_compiles_each_projection_shape_once_and_changes_nothing(adapter
     slots = LoRASlots(model, LoraConfig(max_loras=2, max_lora_rank=8), torch.float32, torch.device("cpu"))
     assert slots.warm_up() == 4  # qkv, o, gate_up, down: one shape each (one layer)
     assert all(not p.a.any() and not p.b.any() for p in slots.projections.values())
+
+
+def test_worker_plans_carry_each_sequences_adapter_request():
+    """The plan sent to worker processes names each sequence's adapter by its `LoRARequest` (not
+    its tensors), and the worker's decoder turns it back into that rank's loaded adapter."""
+    import pickle
+    from types import SimpleNamespace
+
+    from kvpilot.parallel.worker import PlanDecoder, PlanEncoder
+    from kvpilot.runner.batch import ScheduledSeq
+
+    req = LoRARequest("a", 7, "/adapters/a")
+    front = SimpleNamespace(request=req, weights={"big": "tensors"})
+    plan = [ScheduledSeq(1, [5, 6], 0, [0], True, lora=front), ScheduledSeq(2, [9], 3, [1], True)]
+    encoded = PlanEncoder().encode(plan)
+    assert "tensors" not in repr(encoded) and req in encoded[0]
+    loaded = {}
+    got = PlanDecoder(lambda r: loaded.setdefault(r, SimpleNamespace(request=r))).decode(
+        pickle.loads(pickle.dumps(encoded)))
+    assert got[0].lora is loaded[req] and got[0].verify is False and got[0].inflight_row == -1
+    assert got[1].lora is None

@@ -8,7 +8,8 @@ FP8 (``weight_block_size: [128, 128]``, ``weight_scale_inv``). kvpilot's teacher
 log-probabilities (CPU, float32, chunked prefill then greedy decode over the paged cache) are checked
 against transformers running the dequantized weights with each quantized layer's input rounded
 through FP8 as the format prescribes (max error 1e-4); the error against the dequantized weights
-without input rounding (what activation quantization costs) is measured and bounded.
+without input rounding (what activation quantization costs) is measured and bounded. The slow tests
+run ModelOpt and block-wise checkpoints with tensor parallelism 2 on CPU against one rank.
 """
 
 from __future__ import annotations
@@ -71,3 +72,35 @@ def test_block_fp8_weight_scale_inv(tmp_path):
     runner = _check(ckpt, ref, act, bound_unrounded=1e-5)
     qkv = runner.model.layers[0].self_attn.qkv_proj
     assert qkv.scale_block == (128, 128) and qkv.weight_scale_inv.shape == (4, 2)  # [256 + 128 + 128] x 256
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["modelopt", "block"])
+def test_fp8_checkpoints_under_tensor_parallelism_match_one_rank(tmp_path, fmt):
+    """TP 2 on CPU (gloo): per-tensor scales sliced with their rows, row-parallel scales whole,
+    block scales split by K blocks; greedy tokens and prompt log-probs as one rank's."""
+    from kvpilot import LLM, KvCacheConfig, SamplingParams
+
+    if fmt == "modelopt":
+        ckpt, _, _ = modelopt_checkpoint(tmp_path, CALIB, kv_fp8=True)
+    else:  # 512 intermediate rows: each rank's down projection reads whole 128-column blocks
+        ckpt, _, _ = block_fp8_checkpoint(tmp_path, inter=512)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    outs = []
+    for tp in (1, 2):
+        with LLM(str(ckpt), skip_tokenizer_init=True, tensor_parallel_size=tp, device="cpu", dtype="float32",
+                 kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256), max_batch_size=2) as llm:
+            outs.append(llm.generate([PROMPT], params)[0])
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    lp = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
+    assert max(abs(a - b) for a, b in zip(*lp)) < 1e-4
+
+
+@pytest.mark.slow
+def test_block_scales_that_a_rank_would_split_are_refused(tmp_path):
+    from kvpilot import LLM, KvCacheConfig
+
+    ckpt, _, _ = block_fp8_checkpoint(tmp_path)  # 320 intermediate columns: 160 per rank
+    with pytest.raises(Exception, match="scale block"):
+        LLM(str(ckpt), skip_tokenizer_init=True, tensor_parallel_size=2, device="cpu", dtype="float32",
+            kv_cache_config=KvCacheConfig(tokens_per_block=8, max_tokens=256), max_batch_size=2)

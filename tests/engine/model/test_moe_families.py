@@ -43,6 +43,9 @@ def test_moe_family_logprobs_and_greedy_match_transformers(family, tmp_path):
         assert blocks[0].shared_expert is not None and not blocks[0].renormalize
     else:
         assert len(blocks) == 2 and blocks[0].renormalize
+    # decode fast path: the fused GEMVs serve the attention of MoE layers, the MoE block its own MLP
+    assert all(layer.can_fuse and layer.can_fuse_mlp != isinstance(layer.mlp, SparseMoeBlock)
+               for layer in model.layers)
     e = blocks[0].num_experts
     assert blocks[0].w13.shape == (e, 2 * blocks[0].inter, 32) and blocks[0].w2.shape == (e, 32, blocks[0].inter)
     assert len(set(out["tokens"])) > 3  # the random model does not collapse onto one token

@@ -1,7 +1,8 @@
 """An MoE model split over two CPU processes (gloo) gives the single-process float32 greedy tokens:
 tensor parallelism of the experts (each expert's intermediate dimension halved) and expert
 parallelism 2 (each rank two whole experts of four); layouts that do not split fail before any
-worker starts, naming the constraint."""
+worker starts, naming the constraint. The two-process runs are marked slow (``make test`` skips them;
+``pytest -m slow tests/engine/model/test_moe_parallel.py`` runs them, about a minute)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def one_process(qwen2_moe):
     return want
 
 
+@pytest.mark.slow  # two worker processes (~10 s of CPU); the split's arithmetic: test_moe_block.py
 def test_ep2_reproduces_one_process(qwen2_moe, one_process):
     assert _tokens(qwen2_moe, ep=2, tensor_parallel_size=2, moe_expert_parallel_size=2) == one_process
 

@@ -140,3 +140,15 @@ def test_step_timer_summary_matches_statistics():
     assert "front end  send" in text and "rank 1" in text and "500.000" in text
     t.reset()
     assert t.summary() == {}
+
+
+def test_plan_encoding_keeps_each_sequence_verify_all_logits_and_inflight_fields():
+    """Every field of a front-end `ScheduledSeq` reaches the worker's copy in its own place (the
+    adapter's round trip: tests/engine/lora/test_lora_tensor_parallel_shards.py)."""
+    from kvpilot.parallel.worker import PlanDecoder, PlanEncoder
+
+    plan = [ScheduledSeq(0, [1, 2], 0, [3], True, True, -1, True),
+            ScheduledSeq(1, [5], 4, [6], True),
+            ScheduledSeq(2, [7], 2, [8], True, inflight_row=0)]
+    got = PlanDecoder().decode(PlanEncoder().encode(plan))
+    assert got == plan

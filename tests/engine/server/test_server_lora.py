@@ -12,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from support.engine import make_tiny_llama
+from support.lora import make_peft_adapter
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.executor import LoRARequest
@@ -26,19 +27,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _adapter(base, out, seed, r):
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    pm = get_peft_model(LlamaForCausalLM.from_pretrained(str(base)),
-                        PeftLoraConfig(init_lora_weights=False, r=r, lora_alpha=2 * r,
-                                       target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    pm.save_pretrained(str(out))
-    return out
+    return make_peft_adapter(base, out, seed, std=0.2, r=r, lora_alpha=2 * r,
+                             target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +47,7 @@ def served(tmp_path_factory):
     state = ServerState(served_model_name="base", model_path=str(base), api_key=KEY, lora_enabled=True)
     for name, path in args.lora_modules:
         state.add_lora(name, path)
+    cli.load_lora_modules(llm, state)
     state.llm = llm
     with TestClient(create_app(state)) as client:
         yield client, llm, state, a, b
@@ -155,7 +146,9 @@ def test_lora_flags(tmp_path):
     args = parser.parse_args(["m", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
     assert args.lora_modules == [("a", "/x"), ("b", "/y")]
     cfg = cli._lora_config(args)
-    assert cfg.lora_dir == ["/x", "/y"] and cfg.max_loras == 4 and cfg.max_lora_rank == 16
+    assert cfg.max_loras == 4 and cfg.max_lora_rank == 16 and cfg.max_cpu_loras == 4
+    many = parser.parse_args(["m", "--enable-lora", "--max-loras", "2", "--lora-modules", *(f"a{i}=/x{i}" for i in range(6))])
+    assert cli._lora_config(many).max_cpu_loras == 6
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--lora-modules", "no-equals-sign"])
     with pytest.raises(ValueError, match="needs --enable-lora"):
@@ -202,3 +195,12 @@ def test_lora_requests_info_metric_follows_the_adapters():
     PrometheusStatLogger("base", max_model_len=64, registry=plain)(IterationStats(
         iter=1, timestamp=1.0, iter_latency_s=0.0, num_running=0, num_waiting=0, kv_cache=kv))
     assert "lora_requests_info{" not in generate_latest(plain).decode()  # no LoRA: no series
+
+
+def test_a_bad_lora_module_fails_the_start_with_its_name(served, tmp_path):
+    llm = served[1]
+    state = ServerState(served_model_name="base", model_path="base", lora_enabled=True)
+    state._next_lora_id = 1000  # ids the module's engine has not seen
+    state.add_lora("sql", str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="LoRA adapter 'sql': no directory"):
+        cli.load_lora_modules(llm, state)

@@ -126,12 +126,15 @@ def test_stops_inside_an_accepted_run(self_draft_llm, baseline):
     _pools_empty(self_draft_llm)
 
 
-def test_preemption_chunked_prefill_and_budget_cuts_keep_greedy_exact(stories_model_dir, baseline):
-    # 10 blocks of 16 tokens for 4 sequences of up to ~60 tokens: preemptions; 12 tokens per step:
-    # prompts are chunked beside verifying sequences, and the budget cuts drafts short.
-    kv = KvCacheConfig(tokens_per_block=16, max_tokens=16 * 10)
-    with LLM(str(stories_model_dir), speculative_config=NGramDecodingConfig(max_draft_len=4), max_num_tokens=12,
-             kv_cache_config=kv) as llm:
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_preemption_chunked_prefill_and_budget_cuts_keep_greedy_exact(stories_model_dir, baseline, method):
+    # 7 blocks of 16 tokens for 4 sequences of up to ~60 tokens: preemptions; 12 tokens per step:
+    # prompts are chunked beside verifying sequences, and the budget cuts drafts short. The draft
+    # pool is as small (the target's size): sequences whose drafts do not fit it get none.
+    kv = KvCacheConfig(tokens_per_block=16, max_tokens=16 * 7)
+    cfg = (NGramDecodingConfig(max_draft_len=4) if method == "ngram"
+           else DraftTargetDecodingConfig(max_draft_len=4, speculative_model=str(stories_model_dir)))
+    with LLM(str(stories_model_dir), speculative_config=cfg, max_num_tokens=12, kv_cache_config=kv) as llm:
         assert _ids(llm.generate(PROMPTS, GREEDY)) == _ids(baseline[0])
         assert llm._core.scheduler.num_preemptions > 0 and llm._core.spec.totals.num_drafts > 0
         _pools_empty(llm)
@@ -222,6 +225,7 @@ def test_streaming_parallel_sampling_and_abort_mid_speculation(self_draft_llm, b
     chunks = asyncio.run(stream())
     assert "".join(text for text, _ in chunks) == want.text
     assert [t for _, ids in chunks for t in ids] == want.token_ids
+    assert len(chunks) < len(want.token_ids) / 3  # one chunk per step, every draft accepted
     # n = 3 sampled choices, each a speculating sequence of its own
     out = self_draft_llm.generate(PROMPTS[2], SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=7))
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 16 for c in out.outputs)

@@ -79,6 +79,17 @@ def test_bench_cli_without_tokenizer(tiny_dir, tmp_path):
     assert res["output_tokens"] == 12 and res["num_prompts"] == 3 and res["device"] == "cpu"
 
 
+def test_bench_cli_fp8_weights_and_kv_cache(tiny_dir, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_subcommands(parser.add_subparsers(dest="bench"))
+    out = tmp_path / "r.json"
+    args = parser.parse_args(["throughput", "--model", str(tiny_dir), "--device", "cpu", "--num-prompts", "2",
+                              "--input-len", "5", "--output-len", "3", "--quantization", "fp8",
+                              "--kv-cache-dtype", "fp8", "--output-json", str(out)])
+    assert args._bench_run(args) == 0
+    assert json.loads(out.read_text())["output_tokens"] == 6
+
+
 def test_fast_random_writer_loads_in_transformers_and_kvpilot(tmp_path):
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM

@@ -165,14 +165,14 @@ def test_the_loader_fills_what_a_quantization_method_registers(tmp_path):
     assert method.processed == 4 * len(model.layers)
 
 
-def test_tp_invariant_mode_is_refused_for_families_without_shard_layers(tmp_path, monkeypatch):
+def test_tp_invariant_mode_is_refused_for_families_without_shard_layers(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from kvpilot.model.qwen2 import Qwen2ForCausalLM as Ours
+    from kvpilot.tuning import Tuning
 
     path = tmp_path / "qwen2"
     Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2)).save_pretrained(str(path))
-    monkeypatch.setenv("KVPILOT_TUNING", '{"tp_invariant": 2}')
     with pytest.raises(ValueError, match="Llama only, not Qwen2ForCausalLM"):
-        Ours(ModelConfig.from_dir(path))
+        Ours(ModelConfig.from_dir(path), tuning=Tuning(tp_invariant=2))

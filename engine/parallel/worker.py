@@ -635,7 +635,7 @@ class Worker:
             if self.sampler is None:
                 from kvpilot.sampling.sampler import Sampler
 
-                tuning = self.spec.tuning
+                tuning = getattr(getattr(self, "spec", None), "tuning", None) or Tuning()
                 self.sampler = Sampler("auto" if tuning.triton_sampler else "torch", check=tuning.sampling_check)
             call = self.sampler.launch(logits, rows)
             ids.copy_(call.tokens)
@@ -645,7 +645,8 @@ class Worker:
             return
         from kvpilot.sampling.sampler import greedy_ids
 
-        greedy_ids(logits, out=ids, use_triton=None if self.spec.tuning.triton_sampler else False)
+        tuning = getattr(getattr(self, "spec", None), "tuning", None) or Tuning()
+        greedy_ids(logits, out=ids, use_triton=None if tuning.triton_sampler else False)
         if self._ids_host is None:
             self.pending_ids.append((None, ids.clone()))
             return

@@ -34,7 +34,8 @@ import kopf
 from . import apply as kube
 from .config import OperatorConfig
 from .crd import GROUP, KIND, PLURAL, VERSION, normalize
-from .render import LWS_API_VERSION, MANAGED_BY, OWNER_LABEL, desired_replicas, render, surge_selector, workload_kind
+from .render import (COMPONENT, LWS_API_VERSION, MANAGED_BY, OWNER_LABEL, desired_replicas, render, router_children,
+                     surge_selector, workload_kind)
 from .status import desired_status, lora_status, merge_conditions, now_rfc3339, status_patch
 from . import engine_failures, foreign
 from .events import EVENT_SOURCE, warning_event  # noqa: F401  (EVENT_SOURCE re-exported)
@@ -165,7 +166,8 @@ def replicas_left(cr: dict[str, Any], obj: dict[str, Any],
     ``spec.replicas`` when an autoscaler owns them, i.e. kvpilot's (``cr`` autoscaled: set once,
     at creation, from ``status.desiredReplicas``, then written by the autoscaler alone) or a
     foreign HPA/ScaledObject that targets the workload."""
-    if obj["kind"] in WORKLOAD_KINDS and (cr["spec"]["autoscaling"]["enabled"] or any(s.on_workload for s in scalers)):
+    if obj["kind"] in WORKLOAD_KINDS and obj["metadata"]["name"] == cr["metadata"]["name"] \
+            and (cr["spec"]["autoscaling"]["enabled"] or any(s.on_workload for s in scalers)):
         return kube.REPLICAS
     return ()
 
@@ -206,6 +208,10 @@ def _apply_children(client: kube.KubeClient, cr: dict[str, Any], objects: list[d
     if retire:
         kube.delete_if_owned(client, retire, ns, name, uid)
         logger.info("the %s is Ready and serves; deleted the %s", current, retire)
+    if not cr["spec"]["router"]["enabled"] and (cr.get("status") or {}).get("routerEndpoint"):
+        for kind, child_name in router_children(name):  # switched off: the router goes
+            if kube.delete_if_owned(client, kind, ns, child_name, uid):
+                logger.info("spec.router.enabled is false; deleted %s %s", kind, child_name)
     child = client.get(current, ns, name)
     extra = [_condition(RECONCILED, True, "Applied", "every child matches the spec")]
     if surging:
@@ -262,7 +268,7 @@ def surge_plan(client: kube.KubeClient, cr: dict[str, Any], objects: list[dict[s
         return objects, old_kind, None
     held = copy.deepcopy(objects)
     for obj in held:
-        if obj["kind"] == "Service":
+        if obj["kind"] == "Service" and obj["metadata"]["name"] == name:  # the engines' Service
             obj["spec"]["selector"] = surge_selector(name, old_kind)
     return held, None, old_kind
 
@@ -319,9 +325,11 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
         return  # reconcile reports it
     current = workload_kind(cr)
     retire = surging = None
-    if child["kind"] in (current, "Service"):
+    # The CR's own workload and Service (named after it), not the router's objects.
+    is_workload = child["kind"] == current and child["metadata"]["name"] == owner["name"]
+    if is_workload or (child["kind"] == "Service" and child["metadata"]["name"] == owner["name"]):
         objects, retire, surging = surge_plan(
-            client, cr, objects, new_live=child if child["kind"] == current and type != "DELETED" else None)
+            client, cr, objects, new_live=child if is_workload and type != "DELETED" else None)
     wanted = next((o for o in objects if o["kind"] == child["kind"]
                    and o["metadata"]["name"] == child["metadata"]["name"]), None)
     if wanted is None:
@@ -330,7 +338,7 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
     if live is not None and live["metadata"].get("deletionTimestamp"):
         return  # being deleted: recreated on its DELETED event
     leave = replicas_left(cr, wanted)
-    if child["kind"] in WORKLOAD_KINDS and not kube.in_sync(wanted, live, leave):
+    if is_workload and not kube.in_sync(wanted, live, leave):
         # Drift of the workload: first make sure that no foreign autoscaler owns its replicas.
         scalers = foreign.find(client, ns, owner["name"])
         if scalers:
@@ -349,7 +357,7 @@ def child_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: ko
                 kube.apply(client, obj)
         kube.delete_if_owned(client, retire, ns, owner["name"], owner.get("uid"))
         logger.info("the %s is Ready and serves; deleted the %s", current, retire)
-    if child["kind"] == current:
+    if is_workload:
         _write_status(client, cr, live, observed_generation=False,
                       extra=[_surge_condition(current, surging)] if surging else None)
 
@@ -446,6 +454,8 @@ def pod_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, logger: kopf
     deployment does not rewrite its status on every restart."""
     pod = _as_dict(body)
     meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get("app.kubernetes.io/component") != COMPONENT:
+        return  # a router pod
     owner = (meta.get("labels") or {}).get(OWNER_LABEL)
     if owner:
         _sync_lora_status(memo.kube, meta.get("namespace") or "default", owner, logger)

@@ -495,6 +495,131 @@ def _pod_disruption_budget(cr: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# The router (spec.router.enabled): kvpilot router in front of the engines.
+
+ROUTER_COMPONENT = "router"
+ROUTER_PORT = 8080
+ENGINE_TOKENS_PER_BLOCK = 32  # the engine's default --tokens-per-block (kvpilot.config.KvCacheConfig)
+
+
+def router_name(name: str) -> str:
+    """The router's Deployment and Service: ``NAME-router``."""
+    return f"{name}-router"
+
+
+def engines_service_name(name: str) -> str:
+    """The headless Service whose DNS name resolves to the Ready serving pods: ``NAME-engines``."""
+    return f"{name}-engines"
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": APP_NAME, "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": ROUTER_COMPONENT}
+
+
+def router_endpoint(cr: dict[str, Any]) -> str | None:
+    """The router's in-cluster OpenAI base URL, or None without ``spec.router.enabled``."""
+    if not cr["spec"]["router"]["enabled"]:
+        return None
+    meta = cr["metadata"]
+    return (f"http://{router_name(meta['name'])}.{meta.get('namespace') or 'default'}.svc:"
+            f"{cr['spec']['service']['port']}/v1")
+
+
+def router_args(cr: dict[str, Any]) -> list[str]:
+    """Arguments of ``kvpilot router``: discovery through the headless Service, the engines' block
+    size, the model's tokenizer (Hub id and revision, or the path the engines load)."""
+    spec, meta = cr["spec"], cr["metadata"]
+    router = spec["router"]
+    ns = meta.get("namespace") or "default"
+    block = (spec["engine"].get("kvCache") or {}).get("tokensPerBlock") or ENGINE_TOKENS_PER_BLOCK
+    args = ["router", "--discover", f"{engines_service_name(meta['name'])}.{ns}.svc:{HTTP_PORT}",
+            "--host", "0.0.0.0", "--port", str(ROUTER_PORT), "--tokens-per-block", str(block),
+            "--imbalance", str(router["imbalance"]), "--slack", str(router["slack"]),
+            "--scrape-interval", str(router["scrapeIntervalSeconds"]),
+            "--hold-timeout", str(router["holdTimeoutSeconds"])]
+    path, hub_id, _claim = _model_location(cr)
+    if hub_id:
+        args += ["--tokenizer", hub_id, "--tokenizer-revision", spec["model"].get("revision") or "main"]
+    else:
+        args += ["--tokenizer", path]
+    return args
+
+
+def _router_objects(cr: dict[str, Any]) -> list[dict[str, Any]]:
+    spec, name = cr["spec"], cr["metadata"]["name"]
+    labels = {**common_labels(cr), **router_selector(name)}
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"}]
+    secret = spec.get("hfTokenSecret")
+    if secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": secret["name"], "key": secret["key"]}}})
+    _path, _hub, claim = _model_location(cr)
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if claim:
+        mounts.append({"name": "model-source", "mountPath": MODEL_SOURCE_DIR, "readOnly": True})
+        volumes.append({"name": "model-source", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+    container = {
+        "name": ROUTER_COMPONENT, "image": spec["image"], "command": ["kvpilot"], "args": router_args(cr),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": env,
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "volumeMounts": mounts,
+        "startupProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 5, "failureThreshold": 60},
+        # Ready while at least one engine is in rotation; live while the process answers.
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {"httpGet": {"path": "/live", "port": "http"}, "periodSeconds": 15, "timeoutSeconds": 5,
+                          "failureThreshold": 3},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+    pod: dict[str, Any] = {
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # it reads DNS and the engines' /metrics only
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    for key in ("imagePullSecrets", "priorityClassName"):
+        value = (spec.get("pod") or {}).get(key)
+        if value not in (None, [], ""):
+            pod[key] = copy.deepcopy(value)
+    meta_router = {**_metadata(cr), "name": router_name(name), "labels": labels}
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta_router,
+        "spec": {
+            "replicas": int(spec["router"]["replicas"]),
+            "selector": {"matchLabels": router_selector(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "template": {"metadata": {"labels": labels,
+                                      "annotations": {"kubectl.kubernetes.io/default-container": ROUTER_COMPONENT}},
+                         "spec": pod},
+        },
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": copy.deepcopy(meta_router),
+        "spec": {"type": spec["service"]["type"], "selector": router_selector(name),
+                 "ports": [{"name": "http", "port": int(spec["service"]["port"]), "targetPort": "http",
+                            "protocol": "TCP"}]},
+    }
+    engines = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {**_metadata(cr), "name": engines_service_name(name)},
+        # Headless: the router resolves it to the Ready serving pods' addresses.
+        "spec": {"clusterIP": "None", "selector": serving_selector(cr),
+                 "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    return [deployment, service, engines]
+
+
+def router_children(name: str) -> list[tuple[str, str]]:
+    """(kind, name) of the router's objects, for deleting them when the router is switched off."""
+    return [("Deployment", router_name(name)), ("Service", router_name(name)), ("Service", engines_service_name(name))]
+
+
 def render(cr: dict[str, Any]) -> list[dict[str, Any]]:
     """Render an LLMDeployment into the objects that serve it.
 
@@ -507,10 +632,15 @@ def render(cr: dict[str, Any]) -> list[dict[str, Any]]:
         ``[workload, Service, PodDisruptionBudget]``: the workload is an ``apps/v1`` Deployment
         when ``tensor x pipeline <= gpusPerNode``, else a ``leaderworkerset.x-k8s.io/v1``
         LeaderWorkerSet. All are in the CR's namespace (``default`` if unset), named after it.
+        With ``spec.router.enabled`` three more follow: the router's Deployment and Service
+        (``NAME-router``) and the headless Service ``NAME-engines`` it discovers the engines by.
 
     Raises:
         InvalidLLMDeployment: when the CR breaks the CRD's schema or CEL rules.
     """
     cr = normalize(cr)
     workload = _leader_worker_set(cr) if shape_of(cr["spec"]).multi_node else _deployment(cr)
-    return [workload, _service(cr), _pod_disruption_budget(cr)]
+    objects = [workload, _service(cr), _pod_disruption_budget(cr)]
+    if cr["spec"]["router"]["enabled"]:
+        objects += _router_objects(cr)
+    return objects

@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from .render import desired_replicas, endpoint, selector_string, serving_selector, shape_of, workload_kind
+from .render import (desired_replicas, endpoint, router_endpoint, selector_string, serving_selector, shape_of,
+                     workload_kind)
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded")
 
@@ -129,6 +130,7 @@ def desired_status(cr: dict[str, Any], child: dict[str, Any] | None, now: str,
         "parallelism": f"{shape.tensor}x{shape.pipeline}",
         "workload": workload_kind(cr),
         "model": model_status(spec),
+        "routerEndpoint": router_endpoint(cr),
         "conditions": merge_conditions(old.get("conditions") or [], workload_conditions(cr, child), now,
                                        generation if observed_generation else None),
     }

@@ -9,12 +9,19 @@ replica was chosen and why.
 
 Endpoints of the router itself:
 
-- ``GET /health``: 200 while at least one replica is healthy, else 503 with ``Retry-After``.
+- ``GET /health``: 200 while at least one replica is healthy, else 503 with ``Retry-After``
+  (readiness); ``GET /live``: 200 while the process serves (liveness).
 - ``GET /router/debug``: JSON with the replicas (load, health, KV use, prefix-cache hit rate the
   engine reports), the last decisions (replica, reason, matched blocks, loads) and the settings.
 - ``GET /metrics``: Prometheus text: requests per replica and reason, prompt blocks routed,
   blocks predicted to hit the engine's prefix cache, the engines' own reported prefix-cache hits
   and queries (summed over replicas), upstream errors, healthy replicas.
+
+While no replica is healthy (a deployment scaled to zero, or every replica still loading),
+requests are held (``--hold-timeout`` seconds at most, ``--max-held`` at a time) and released as
+soon as a replica becomes healthy; the number held is the ``kvpilot_router_held_requests``
+gauge (the demand an autoscaler can scale up from zero on). A request that waited too long, or
+found the queue full, gets 503 with ``Retry-After``.
 
 Replicas are a static list (``--upstream URL``) and/or a DNS name (``--discover HOST:PORT``, e.g.
 the deployment's headless Service, which resolves to the Ready engine pods) re-resolved every
@@ -71,6 +78,9 @@ class RouterConfig:
         request_timeout_s: total seconds one proxied request may take.
         api_key: required bearer token, or None.
         history: decisions kept for ``/router/debug``.
+        hold_timeout_s: while no replica is healthy (scaled to zero, all loading), hold a request
+            up to this many seconds for one to become healthy; 0 answers 503 at once.
+        max_held: requests held at most; more are answered 503 at once.
     """
 
     upstreams: list[str] = field(default_factory=list)
@@ -84,6 +94,8 @@ class RouterConfig:
     request_timeout_s: float = 3600.0
     api_key: str | None = None
     history: int = 100
+    hold_timeout_s: float = 0.0
+    max_held: int = 1000
 
     def __post_init__(self) -> None:
         if not self.upstreams and not self.discover:
@@ -101,6 +113,8 @@ class RouterConfig:
             raise ValueError("--imbalance and --slack must be >= 0")
         if not self.scrape_interval_s > 0 or self.unhealthy_after < 1:
             raise ValueError("--scrape-interval must be > 0 and --unhealthy-after >= 1")
+        if self.hold_timeout_s < 0 or self.max_held < 0:
+            raise ValueError("--hold-timeout and --max-held must be >= 0")
 
 
 def _parse_engine_metrics(text: str) -> dict[str, float]:
@@ -142,6 +156,10 @@ class Router:
         self.prompt_blocks = 0
         self.predicted_hit_blocks = 0
         self.upstream_errors = 0
+        self.held = 0  # requests waiting for a healthy replica now
+        self.held_timeouts = 0
+        self.held_refused = 0
+        self.available = asyncio.Event()  # set while a replica is healthy
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
 
@@ -171,6 +189,7 @@ class Router:
         if replica.healthy and replica.failures >= self.config.unhealthy_after:
             replica.healthy = False
             logger.warning("replica %s out of rotation after %d failures: %s", replica.name, replica.failures, why)
+        self._update_available()
 
     async def scrape_once(self) -> None:
         """Resolve ``--discover`` and read every replica's ``/metrics`` (concurrently)."""
@@ -193,6 +212,7 @@ class Router:
             replica.failures, replica.healthy = 0, True
 
         await asyncio.gather(*(one(r) for r in list(self.replicas.values())))
+        self._update_available()
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -236,6 +256,33 @@ class Router:
                                "prompt_blocks": decision.prompt_blocks, "affine": decision.affine,
                                "loads": decision.loads, "bound": decision.bound})
 
+    def _update_available(self) -> None:
+        if any(r.healthy for r in self.replicas.values()):
+            self.available.set()
+        else:
+            self.available.clear()
+
+    async def _hold(self, why: str) -> web.Response | None:
+        """Wait, while no replica is healthy (scaled to zero, all loading), for one to become
+        healthy: None when one did, else the 503 to answer (``Retry-After`` set)."""
+        c = self.config
+        if c.hold_timeout_s <= 0:
+            return _error(503, f"no engine replica is available: {why}", "service_unavailable", retry_after=2)
+        if self.held >= c.max_held:
+            self.held_refused += 1
+            return _error(503, f"no engine replica is available and {self.held} requests already wait for one "
+                               f"(--max-held {c.max_held})", "service_unavailable", retry_after=int(c.hold_timeout_s))
+        self.held += 1
+        try:
+            await asyncio.wait_for(self.available.wait(), c.hold_timeout_s)
+            return None
+        except asyncio.TimeoutError:
+            self.held_timeouts += 1
+            return _error(503, f"no engine replica became available within {c.hold_timeout_s:g} s "
+                               f"(--hold-timeout); {why}", "service_unavailable", retry_after=int(c.hold_timeout_s))
+        finally:
+            self.held -= 1
+
     def _authorized(self, request: web.Request) -> bool:
         if self.config.api_key is None:
             return True
@@ -260,7 +307,10 @@ class Router:
             try:
                 decision, hashes = self.decide(request.path, body)
             except NoReplicaError as exc:
-                return _error(503, f"no engine replica is available: {exc}", "service_unavailable", retry_after=2)
+                refused = await self._hold(str(exc))
+                if refused is not None:
+                    return refused
+                continue
             if decision.replica in tried:
                 return _error(502, f"every replica refused the connection ({', '.join(sorted(tried))})", "bad_gateway")
             replica = self.replicas[decision.replica]
@@ -288,6 +338,7 @@ class Router:
                 self._failed(replica, f"connection: {exc!r}")
                 tried.add(decision.replica)
                 replica.healthy = False  # until its next good scrape
+                self._update_available()
                 continue
             finally:
                 replica.in_flight -= 1
@@ -311,6 +362,7 @@ class Router:
             "replicas": replicas,
             "decisions": list(self.decisions),
             "prefix_index_blocks": len(self.index),
+            "held_requests": self.held,
             "predicted_prefix_hit_rate": (self.predicted_hit_blocks / self.prompt_blocks) if self.prompt_blocks else None,
             "settings": {"tokens_per_block": c.tokens_per_block, "max_affinity_blocks": c.max_affinity_blocks,
                          "imbalance": c.imbalance, "slack": c.slack, "scrape_interval_s": c.scrape_interval_s,
@@ -339,6 +391,12 @@ class Router:
              "Connections to an engine that failed before a response.", self.upstream_errors),
             ("kvpilot_router_healthy_replicas", "gauge", "Replicas in rotation.",
              sum(r.healthy for r in self.replicas.values())),
+            ("kvpilot_router_held_requests", "gauge",
+             "Requests waiting for a healthy replica (demand while scaled to zero).", self.held),
+            ("kvpilot_router_held_timeouts_total", "counter",
+             "Held requests answered 503 after --hold-timeout.", self.held_timeouts),
+            ("kvpilot_router_held_refused_total", "counter",
+             "Requests answered 503 at once because --max-held were already waiting.", self.held_refused),
         ):
             lines += [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name} {value}"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
@@ -360,6 +418,7 @@ def build_app(router: Router) -> web.Application:
     app.on_startup.append(router.start)
     app.on_cleanup.append(router.stop)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/live", lambda _request: web.json_response({"status": "ok"}))
     app.router.add_get("/router/debug", router.debug)
     app.router.add_get("/metrics", router.metrics)
     app.router.add_route("*", "/v1/{tail:.*}", router.proxy)

@@ -20,6 +20,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="model directory or Hub id whose tokenizer (and chat template) the engines use; "
                              "default none: only token-id prompts get prefix affinity")
+    parser.add_argument("--tokenizer-revision", default=None,
+                        help="Hub revision of --tokenizer (branch, tag or commit); default none: main")
     parser.add_argument("--chat-template", default=None,
                         help="the engines' --chat-template, if they were started with one; default none")
     parser.add_argument("--tokens-per-block", type=int, default=32, help="the engines' KV block size in tokens")
@@ -35,6 +37,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="failed scrapes or connections in a row that take a replica out of rotation")
     parser.add_argument("--request-timeout", type=float, default=3600.0,
                         help="seconds one proxied request may take in total")
+    parser.add_argument("--hold-timeout", type=float, default=0.0,
+                        help="seconds to hold a request while no replica is healthy (scaled to zero, all "
+                             "loading); 0 answers 503 at once")
+    parser.add_argument("--max-held", type=int, default=1000, help="requests held at most at a time")
     parser.add_argument("--api-key", default=None,
                         help="require Authorization: Bearer KEY (passed on to the engines); default none")
 
@@ -48,10 +54,11 @@ def run(args: argparse.Namespace) -> int:
                               tokens_per_block=args.tokens_per_block, max_affinity_blocks=args.max_affinity_blocks,
                               imbalance=args.imbalance, slack=args.slack, scrape_interval_s=args.scrape_interval,
                               unhealthy_after=args.unhealthy_after, request_timeout_s=args.request_timeout,
-                              api_key=args.api_key)
+                              api_key=args.api_key, hold_timeout_s=args.hold_timeout, max_held=args.max_held)
     except ValueError as exc:
         raise SystemExit(f"kvpilot router: {exc}") from None
-    tokenizer = PromptTokenizer.from_pretrained(args.tokenizer, args.chat_template) if args.tokenizer else None
+    tokenizer = (PromptTokenizer.from_pretrained(args.tokenizer, args.chat_template, args.tokenizer_revision)
+                 if args.tokenizer else None)
     try:
         asyncio.run(serve(Router(config, tokenizer), args.host, args.port))
     except KeyboardInterrupt:

@@ -55,12 +55,14 @@ class PromptTokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_pretrained(cls, path: str, chat_template: str | None = None) -> "PromptTokenizer":
+    def from_pretrained(cls, path: str, chat_template: str | None = None,
+                        revision: str | None = None) -> "PromptTokenizer":
+        """The tokenizer of a model directory or Hub id (at ``revision``), as the engine loads it."""
         from transformers import AutoTokenizer
 
         from kvpilot.server.chat_template import load_chat_template
 
-        return cls(AutoTokenizer.from_pretrained(path), load_chat_template(chat_template))
+        return cls(AutoTokenizer.from_pretrained(path, revision=revision), load_chat_template(chat_template))
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids for ``/v1/completions`` or ``/v1/chat/completions``, or None when

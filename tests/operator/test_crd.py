@@ -60,6 +60,8 @@ def test_defaults_match_the_issue():
         "storage": {"type": "EmptyDir"},
         "startup": {"timeoutSeconds": 1800},
         "service": {"type": "ClusterIP", "port": 8000},
+        "router": {"enabled": False, "replicas": 1, "imbalance": 0.5, "slack": 8, "scrapeIntervalSeconds": 2,
+                   "holdTimeoutSeconds": 60},
     }
 
 

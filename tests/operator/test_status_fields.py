@@ -18,5 +18,6 @@ def test_every_declared_status_field_is_written():
     policy = ScalingPolicy.from_spec({"enabled": True, "minReplicas": 1, "maxReplicas": 3}, 1)
     decision: Decision = decide([], 1, policy, ScalingHistory(), 0.0)
     written |= set(autoscaling_status(decision, {}, 0.0)) | {"lastScaleTime"}
+    written.add("lora")  # written from pod events (handlers._sync_lora_status, status.lora_status)
     assert declared - written == set(), "declared in the CRD but never written"
     assert "engine" not in declared

@@ -123,8 +123,14 @@ class OperatorEnv:
         await asyncio.to_thread(thread.join, 15)
         if thread.is_alive():
             raise TimeoutError("the operator did not stop within 15 s")
-        if self.error is not None:
-            raise self.error
+        error, self.error = self.error, None
+        if isinstance(error, TimeoutError) and not str(error):
+            # kopf's own shutdown: a handler still running in its thread pool (its requests to a
+            # slow emulator on a loaded machine) outlived kopf's cancellation wait. The operator
+            # did stop (the thread joined); what the handler did is checked by the test itself.
+            return
+        if error is not None:
+            raise error
 
     async def restart(self) -> None:
         await self.stop()

@@ -242,3 +242,49 @@ async def test_api_key_is_checked_and_passed_on(fleet):
 def test_config_rejects(kw, match):
     with pytest.raises(ValueError, match=match):
         RouterConfig(**kw)
+
+
+async def test_requests_are_held_while_no_replica_is_healthy_and_all_succeed_after(fleet):
+    """Scaled to zero (here: every replica failing its scrape): 50 requests wait, the held count
+    is the demand signal, and all 50 succeed once a replica becomes healthy; none is lost."""
+    engines, start = fleet
+    for e in engines:
+        e.metrics_status = 500
+    router, url = await start(hold_timeout_s=20)
+    await asyncio.sleep(2 * INTERVAL + 0.1)
+    assert not any(r.healthy for r in router.replicas.values())
+    async with aiohttp.ClientSession() as session:
+        async def one(i):
+            async with session.post(url + "/v1/completions", json={"prompt": [i] * 40}) as resp:
+                return resp.status
+
+        jobs = [asyncio.create_task(one(i)) for i in range(50)]
+        await asyncio.sleep(0.5)
+        assert router.held == 50 and not any(j.done() for j in jobs)
+        async with session.get(url + "/metrics") as resp:
+            assert "kvpilot_router_held_requests 50" in await resp.text()
+        engines[1].metrics_status = 200  # the first replica becomes Ready
+        statuses = await asyncio.wait_for(asyncio.gather(*jobs), 5)
+    assert statuses == [200] * 50 and router.held == 0
+    assert len(engines[1].served) == 50
+
+
+async def test_held_requests_time_out_and_the_queue_is_bounded(fleet):
+    engines, start = fleet
+    for e in engines:
+        e.metrics_status = 500
+    router, url = await start(hold_timeout_s=0.6, max_held=2)
+    await asyncio.sleep(2 * INTERVAL + 0.1)
+    async with aiohttp.ClientSession() as session:
+        async def one():
+            t0 = time.monotonic()
+            async with session.post(url + "/v1/completions", json={"prompt": [1, 2]}) as resp:
+                return resp.status, resp.headers.get("Retry-After"), (await resp.json())["error"]["message"], \
+                    time.monotonic() - t0
+
+        first = [asyncio.create_task(one()) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        status, retry, message, waited = await one()  # a third: the queue is full
+        assert status == 503 and "--max-held 2" in message and waited < 0.3
+        for status, retry, message, waited in await asyncio.gather(*first):
+            assert status == 503 and retry is not None and "--hold-timeout" in message and waited >= 0.55

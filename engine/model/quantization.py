@@ -295,7 +295,7 @@ class Fp8LinearMethod(QuantizationMethod):
 
     def dequantized_weight(self, layer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[N, K]`` weight times its scales, in ``dtype``."""
-        return dequantize_fp8(layer.weight, self.weight_scale_of(layer), layer.scale_block).to(dtype)
+        return fp8_gemv.dequantize_fp8(layer.weight, self.weight_scale_of(layer), layer.scale_block).to(dtype)
 
     #: run the reference (`apply`'s CPU path) on CUDA too (benchmarks/gpu_fp8.py's accuracy check)
     reference = False

@@ -140,3 +140,27 @@ def test_cuda_paths_match_the_dequantize_reference(scheme, m):
         finally:
             Fp8LinearMethod.reference = False
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_dequantized_weight_is_the_fp8_weight_times_its_scale():
+    """`Fp8LinearMethod.dequantized_weight` (the CUDA path's product for block weights at many rows
+    and the GPU tests' reference) on a per-tensor static layer."""
+    from kvpilot.model.layers import ParallelContext
+    from kvpilot.model.linear import MergedColumnParallelLinear
+    from kvpilot.model.quantization import Fp8LinearMethod, Fp8Scheme
+
+    torch.manual_seed(0)
+    method = Fp8LinearMethod(Fp8Scheme("tensor", "static"))
+    layer = MergedColumnParallelLinear(64, [32, 32], False, ParallelContext(), method)
+    w = torch.randn(64, 64) * 0.05
+    s = float(w.abs().amax() / 448)
+    with torch.no_grad():
+        layer.weight.copy_((w / s).to(torch.float8_e4m3fn))
+        layer.weight_scale.fill_(s)
+        layer.input_scale.fill_(0.02)
+    layer.process_weights_after_loading()
+    got = method.dequantized_weight(layer)
+    assert got.dtype == torch.float32 and got.shape == (64, 64)
+    torch.testing.assert_close(got, layer.weight.float() * s, rtol=0, atol=0)
+    # e4m3 rounds to 3 mantissa bits: half a unit is 1/16 of the value (subnormals: s * 2**-10)
+    assert bool(((got - w).abs() <= w.abs() / 16 + s * 2 ** -10).all())

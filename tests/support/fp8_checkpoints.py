@@ -225,3 +225,25 @@ def reference_model(ref_dir: Path, act: dict):
             return ((x / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s,)
         m.register_forward_pre_hook(hook)
     return model
+
+
+def per_channel_fp8_reference(path):
+    """transformers (float32, eager) on ``path`` with kvpilot's on-the-fly FP8 applied independently:
+    every linear layer but ``lm_head`` dequantized from FP8 E4M3 with one ``amax(|W[n]|) / 448`` scale
+    per output row, and its input rounded through FP8 per token (``amax(|x|) / 448`` per row)."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Linear) and name != "lm_head":
+                w = m.weight.float()
+                s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+                m.weight.copy_((w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s)
+
+                def hook(mod, args):
+                    x = args[0].float()
+                    sx = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+                    return ((x / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * sx,)
+                m.register_forward_pre_hook(hook)
+    return model

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from support.engine import make_tiny_llama
+from support.fp8_checkpoints import per_channel_fp8_reference
+from support.lora import make_peft_adapter
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.executor import LoRARequest
@@ -27,27 +29,12 @@ peft = pytest.importorskip("peft")
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _make_adapter(base, out, seed, **kw):
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    torch.manual_seed(seed)
-    pm = get_peft_model(model, PeftLoraConfig(init_lora_weights=False, **kw))
-    with torch.no_grad():  # large enough updates that every adapter moves the logits clearly
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-    pm.save_pretrained(str(out))
-    return out
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("lora")
     base = make_tiny_llama(d / "base", seed=5, layers=2)
-    a = _make_adapter(base, d / "a", 1, r=4, lora_alpha=8, target_modules=ALL)
-    b = _make_adapter(base, d / "b", 2, r=6, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+    a = make_peft_adapter(base, d / "a", 1, r=4, lora_alpha=8, target_modules=ALL)
+    b = make_peft_adapter(base, d / "b", 2, r=6, lora_alpha=4, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
                       rank_pattern={"v_proj": 3}, alpha_pattern={"down_proj": 7})
     llm = LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32", max_batch_size=8,
               max_num_tokens=64, kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
@@ -168,7 +155,7 @@ def test_bad_adapters_and_requests_are_clear_errors(setup, tmp_path):
         llm.generate(PROMPTS[0], SamplingParams(max_tokens=1), lora_request=LoRARequest("b", 1, str(b)))
     with pytest.raises(FileNotFoundError, match="no directory"):
         llm.generate(PROMPTS[0], lora_request=LoRARequest("x", 9, str(tmp_path / "missing")))
-    big = _make_adapter(base, tmp_path / "big", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
+    big = make_peft_adapter(base, tmp_path / "big", 3, r=16, lora_alpha=16, target_modules=["q_proj"])
     with pytest.raises(LoRAAdapterError, match="rank 16 .* above max_lora_rank 8"):
         llm.generate(PROMPTS[0], lora_request=LoRARequest("big", 10, str(big)))
     dora = tmp_path / "dora"
@@ -207,7 +194,7 @@ def test_adapter_for_another_model_is_refused_at_start(setup, tmp_path):
     other = tmp_path / "other"
     LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(other))
-    wrong = _make_adapter(other, tmp_path / "wrong", 4, r=4, lora_alpha=4, target_modules=["q_proj"])
+    wrong = make_peft_adapter(other, tmp_path / "wrong", 4, r=4, lora_alpha=4, target_modules=["q_proj"])
     with pytest.raises(LoRAAdapterError, match="another model"):
         LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32",
             kv_cache_config=KvCacheConfig(max_tokens=256), lora_config=LoraConfig(lora_dir=[str(wrong)], max_lora_rank=8))
@@ -259,25 +246,11 @@ def test_adapters_on_fp8_base_weights_match_peft(setup):
     inputs rounded per token) with an adapter: the adapter's update reads the unrounded input, as
     peft's LoRA layer does around the FP8-dequantized linear layers of transformers."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
 
     from kvpilot.llmapi import QuantConfig
 
     d, base, a, b, _ = setup
-    fp8_max = 448.0
-    ref = LlamaForCausalLM.from_pretrained(str(base), dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, m in ref.named_modules():
-            if isinstance(m, torch.nn.Linear) and name != "lm_head":
-                w = m.weight.float()
-                s = (w.abs().amax(dim=1, keepdim=True) / fp8_max).clamp(min=1e-12)
-                m.weight.copy_((w / s).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * s)
-
-                def hook(mod, args):
-                    x = args[0].float()
-                    sx = (x.abs().amax(dim=-1, keepdim=True) / fp8_max).clamp(min=1e-12)
-                    return ((x / sx).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).float() * sx,)
-                m.register_forward_pre_hook(hook)
+    ref = per_channel_fp8_reference(base)
     ref = PeftModel.from_pretrained(ref, str(a)).eval()
     prompt = PROMPTS[0]
     with LLM(str(base), skip_tokenizer_init=True, device="cpu", dtype="float32",

@@ -15,35 +15,13 @@ import pytest
 import torch
 
 from support.engine import make_tiny_llama
+from support.fp8_checkpoints import per_channel_fp8_reference
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.llmapi import QuantAlgo, QuantConfig
 from kvpilot.model.quantization import UnsupportedQuantizationError, get_quantization_method
 
-FP8_MAX = 448.0
-
-
-def _per_channel_reference(path):
-    """transformers on per-channel FP8-dequantized weights, inputs rounded through FP8 per token."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Linear) and name != "lm_head":
-                w = m.weight.float()
-                s = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-                m.weight.copy_((w / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * s)
-
-                def hook(mod, args):
-                    x = args[0].float()
-                    sx = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-                    return ((x / sx).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * sx,)
-                m.register_forward_pre_hook(hook)
-    return model
-
-
-def test_quant_config_fp8_matches_per_channel_reference(tmp_path):
+def test_quant_config_fp8_matchesper_channel_fp8_reference(tmp_path):
     path = make_tiny_llama(tmp_path / "m", layers=2)
     prompt = [1, 17, 33, 5, 90, 41, 7, 250, 12, 3]
     llm = LLM(str(path), skip_tokenizer_init=True, device="cpu", dtype="float32",
@@ -62,7 +40,7 @@ def test_quant_config_fp8_matches_per_channel_reference(tmp_path):
     assert len(tokens) == 6
     # (the FP8 KV cache rounds keys and values as well; the exact-cache test below checks log-probs)
     with torch.no_grad():
-        logits = _per_channel_reference(path)(torch.tensor([prompt])).logits[0]
+        logits = per_channel_fp8_reference(path)(torch.tensor([prompt])).logits[0]
     assert tokens[0] == int(logits[-1].argmax())
 
 
@@ -79,7 +57,7 @@ def test_quant_config_fp8_logprobs_exact_cache(tmp_path):
     prompt = [1, 17, 33, 5, 90, 41, 7, 250, 12, 3, 77, 4]
     got, tokens = run_kvpilot(runner, prompt, 6, chunk=5)
     with torch.no_grad():
-        want = _per_channel_reference(path)(torch.tensor([prompt + tokens[:-1]])).logits[0]
+        want = per_channel_fp8_reference(path)(torch.tensor([prompt + tokens[:-1]])).logits[0]
     err = (torch.log_softmax(got, -1) - torch.log_softmax(want, -1)).abs().max()
     assert err <= 1e-4, f"max |log-prob error| {err:.3g}"
 

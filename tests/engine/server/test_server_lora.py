@@ -12,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from support.engine import make_tiny_llama
+from support.lora import make_peft_adapter
 
 from kvpilot import LLM, KvCacheConfig, SamplingParams
 from kvpilot.executor import LoRARequest
@@ -26,19 +27,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def _adapter(base, out, seed, r):
-    from peft import LoraConfig as PeftLoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    pm = get_peft_model(LlamaForCausalLM.from_pretrained(str(base)),
-                        PeftLoraConfig(init_lora_weights=False, r=r, lora_alpha=2 * r,
-                                       target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.2)
-    pm.save_pretrained(str(out))
-    return out
+    return make_peft_adapter(base, out, seed, std=0.2, r=r, lora_alpha=2 * r,
+                             target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,28 @@ def autoscaling_status(decision: Decision, old_status: dict[str, Any], now: floa
     return status
 
 
+def starting_pods(pods: list[dict[str, Any]], now: float, startup_timeout_s: int) -> int:
+    """Engine pods that are still starting: not terminating, not Ready, and either not started
+    yet (pending) or started less than ``startup_timeout_s`` (``spec.startup.timeoutSeconds``)
+    ago; older not-Ready pods are stuck, not loading, and do not hold a scale-down."""
+    from .scrape import pod_is_ready
+
+    n = 0
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp") or pod_is_ready(pod):
+            continue
+        started = (pod.get("status") or {}).get("startTime")
+        if started:
+            try:
+                age = now - datetime.datetime.fromisoformat(str(started).replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                age = 0.0
+            if age >= startup_timeout_s:
+                continue
+        n += 1
+    return n
+
+
 def autoscaling_enabled(spec: Any, **_: Any) -> bool:
     """kopf ``when`` filter: the CR asks for autoscaling."""
     return bool(((spec or {}).get("autoscaling") or {}).get("enabled"))
@@ -129,7 +151,8 @@ async def autoscale_once(client: kube.KubeClient, namespace: str, name: str, htt
             logger.warning("%s/%s: starting a new scaling history: %s", namespace, name, exc)
             history = ScalingHistory()
     now = time.time() if now is None else now
-    decision = decide(samples, current, policy, history, now)
+    decision = decide(samples, current, policy, history, now,
+                      loading=starting_pods(pods, now, int(cr["spec"]["startup"]["timeoutSeconds"])))
 
     if decision.desired_replicas < current and kind == "Deployment":
         await _mark_deletion_costs(client, namespace, name, deletion_costs(samples))

@@ -19,6 +19,8 @@ The semantics are those of the Kubernetes HorizontalPodAutoscaler (``pkg/control
   two recommendations wins, as with several HPA metrics);
 - stabilisation windows: a scale-up goes to the lowest recommendation seen in the scale-up window
   (including this one), a scale-down to the highest seen in the scale-down window;
+- no scale-down while a replica is still starting (``loading``): the ReplicaSet would remove
+  that one first, wasting its model load;
 - the result is clamped to [minReplicas, maxReplicas]; a current count outside that range is
   brought back into it even when no metrics are available.
 """
@@ -352,6 +354,7 @@ def decide(
     policy: ScalingPolicy,
     history: ScalingHistory,
     now: float,
+    loading: int = 0,
 ) -> Decision:
     """Decide the replica count for one deployment (pure; HPA semantics, see the module doc).
 
@@ -363,6 +366,10 @@ def decide(
         policy: the autoscaling knobs.
         history: recommendations from earlier calls (from the CR status).
         now: the time of this decision, Unix seconds; must not go backwards between calls.
+        loading: replicas still starting (scheduled or loading the model, within their startup
+            budget). While any is, the metrics never lower the count: a ReplicaSet removes
+            not-Ready pods first, so a scale-down would kill a replica that is still loading.
+            Bounds still apply (a count above ``maxReplicas`` comes down).
 
     Returns:
         A :class:`Decision`; store ``decision.history`` for the next call.
@@ -397,7 +404,8 @@ def decide(
     )
     raw = kv_rec if queue_rec is None else max(kv_rec, queue_rec)
     stabilized, new_history = _stabilize(raw, current, history, policy, now)
-    desired, limited = _clamp(stabilized, policy)
+    held_for_loading = loading > 0 and stabilized < current
+    desired, limited = _clamp(current if held_for_loading else stabilized, policy)
     msg = (
         f"{current} -> {desired} replicas: KV-cache utilisation {utilization:.3f} (sum "
         f"{sum(m.kv_cache_usage for m in answered):.3f} over {len(answered)} of {len(usages)} pods) "
@@ -409,6 +417,9 @@ def decide(
         msg += f"; queue {queue_length:g} waiting vs target {policy.target_queue_length:g}/pod recommends {queue_rec}"
     if stabilized != raw:
         msg += f"; stabilisation windows hold it at {stabilized}"
+    if held_for_loading:
+        msg += (f"; {loading} {'replica is' if loading == 1 else 'replicas are'} still starting, so no "
+                f"scale-down to {stabilized} until {'it is' if loading == 1 else 'they are'} Ready")
     if limited != REASON_WITHIN_RANGE:
         msg += f"; {limited} (bounds {policy.min_replicas}..{policy.max_replicas})"
     log.debug("decide: %s", msg)

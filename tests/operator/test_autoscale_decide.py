@@ -346,3 +346,38 @@ def test_no_missing_pods_keep_the_plain_condition():
     assert d.missing_counted_as is None and d.missing_pods == ()
     assert next(c for c in d.conditions() if c["type"] == "ScalingActive")["message"] == \
         "the replica count is computed from KV-cache utilisation"
+
+
+def test_no_scale_down_while_a_replica_is_starting():
+    # Two idle pods and one starting (no sample, counted at the target): (0 + 0 + 0.5) / 0.5 = 1,
+    # so 3 -> 1, which would remove the starting pod (the ReplicaSet deletes not-Ready pods first).
+    samples = [PodMetrics("a", 0.0, 0, 0), PodMetrics("b", 0.0, 0, 0), PodMetrics.missing("c", "not Ready")]
+    free = decide(samples, 3, policy(), ScalingHistory(), 0.0)
+    held = decide(samples, 3, policy(), ScalingHistory(), 0.0, loading=1)
+    assert free.desired_replicas == 1
+    assert held.desired_replicas == 3 and held.recommendation == 1
+    assert held.message.endswith("1 replica is still starting, so no scale-down to 1 until it is Ready")
+    # A scale-up is not held, and the bounds still apply.
+    # (1.0 + 1.0 + 0) / 3 / 0.5 = 1.33 -> ceil(4.0) = 4
+    up = decide([PodMetrics("a", 1.0, 0, 0), PodMetrics("b", 1.0, 0, 0), PodMetrics.missing("c", "not Ready")], 3,
+                policy(), ScalingHistory(), 0.0, loading=1)
+    assert up.desired_replicas == 4
+    over = decide(samples, 12, policy(), ScalingHistory(), 0.0, loading=1)
+    assert over.desired_replicas == 10 and over.limited_reason == "TooManyReplicas"
+
+
+def test_starting_pods_counts_pending_and_young_not_ready_pods():
+    from kvpilot.operator.autoscale_daemon import starting_pods
+
+    def pod(ready=False, start=None, deleting=False):
+        meta = {"name": "p", **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+        status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+        if start:
+            status["startTime"] = start
+        return {"metadata": meta, "status": status}
+
+    now = 1767225600.0 + 600  # 2026-01-01T00:10:00Z
+    pods = [pod(), pod(start="2026-01-01T00:05:00Z"), pod(start="2025-12-31T23:00:00Z"),
+            pod(ready=True, start="2026-01-01T00:00:00Z"), pod(deleting=True)]
+    # pending; started 5 min ago (budget 30 min); started 70 min ago: stuck; Ready; terminating
+    assert starting_pods(pods, now, 1800) == 2

@@ -847,7 +847,7 @@ class EngineCore:
         if guide is not None and not stopped_by_token and self._guide_ends(seq, guide, token):
             stopped_by_token = True
             seq.finish_reason = "stop"
-        elif len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
+        elif not stopped_by_token and len(toks) >= seq.length_limit:  # max_tokens or max_seq_len
             seq.finish_reason = "length"  # `_output_token` turns it into "stop" if a stop string ends here
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)

@@ -144,7 +144,7 @@ def test_remote_code_and_unknown_architectures_are_named(tmp_path, model_dirs):
         ModelConfig.from_dir(d, trust_remote_code=True)
     (d / "config.json").write_text(json.dumps(dict(cfg, architectures=["MambaForCausalLM"])))
     with pytest.raises(UnsupportedArchitectureError, match=r"unsupported architecture MambaForCausalLM.*"
-                                                           r"LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM"):
+                                                           r"LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM"):
         ModelConfig.from_dir(d)
 
 

@@ -4,6 +4,8 @@ lazily compacted running list; and that the runner's input paths read tables thr
 
 from __future__ import annotations
 
+import types
+
 import random
 from dataclasses import dataclass
 
@@ -105,6 +107,7 @@ def test_kv_cache_manager_tables_through_the_mirror():
             self.seq_id, self.token_ids, self.block_table = sid, tokens, []
             self.num_computed_tokens = self.num_cached_blocks = 0
             self.params = _P()
+            self.request = types.SimpleNamespace(lora=None)  # no adapter: the plain prefix-cache key
 
         @property
         def num_tokens(self):

@@ -587,6 +587,42 @@ def _with_decode_tuning(case: Callable[[], None], **overrides) -> Callable[[], N
     return run
 
 
+
+def _fused_moe(tokens: int, path: str):
+    def case():
+        from kvpilot.kernels import fused_moe as FM
+
+        E, H, I, K = 128, 2048, 768, 8
+        x = torch.empty(tokens, H, dtype=BF16)
+        w13, w2 = torch.empty(E, 2 * I, H, dtype=BF16), torch.empty(E, H, I, dtype=BF16)
+        ids = (torch.arange(tokens * K, dtype=torch.int32).reshape(tokens, K) * 7) % E
+        FM.fused_moe_triton(x, w13, w2, torch.full((tokens, K), 1.0 / K), ids, path=path)
+
+    return case
+
+
+def _fp8_gemv(m: int, block):
+    def case():
+        from kvpilot.kernels import fp8_gemv
+
+        n, k = 6144, 4096  # the 8B shape's q/k/v projection
+        w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+        scale = torch.ones(n // 128, k // 128) if block else torch.ones(n)
+        fp8_gemv.fp8_gemv_triton(torch.empty(m, k, dtype=BF16), w, scale, block=block)
+
+    return case
+
+
+def _fp8_quantize_rows():
+    def case():
+        from kvpilot.kernels import fp8_gemv
+
+        x = torch.empty(8, 4096, dtype=BF16)
+        fp8_gemv.quantize_rows_triton(x)
+        fp8_gemv.quantize_rows_triton(x, torch.ones(1))
+
+    return case
+
 def cases() -> list[tuple[str, Callable[[], None]]]:
     """(label, function) of every case, in compile order."""
     out = []
@@ -667,6 +703,15 @@ def cases() -> list[tuple[str, Callable[[], None]]]:
     out.append(("sampling argmax 1 row fp32", _sampling_argmax(1, torch.float32)))
     for rep_on, freq_on in ((True, True), (True, False), (False, True)):
         out.append((f"sampling apply_penalties rep={rep_on} freq={freq_on}", _sampling_penalties(rep_on, freq_on)))
+    # Fused MoE (Qwen3-30B-A3B layer shape: 128 experts of 768, top 8, hidden 2048): the small-token
+    # path at 1 and 8 tokens, the grouped path at 64 and 1,024.
+    for t, path in ((1, "small"), (8, "small"), (64, "grouped"), (1024, "grouped")):
+        out.append((f"fused moe {path}, {t} tokens", _fused_moe(t, path)))
+    # FP8 weights: the GEMV at M = 1 and 8 with per-row and 128 x 128 block scales; the row quantizer.
+    for m in (1, 8):
+        for block in (None, (128, 128)):
+            out.append((f"fp8 gemv M={m}, {'block' if block else 'per-row'} scales", _fp8_gemv(m, block)))
+    out.append(("fp8 quantize rows, dynamic and static", _fp8_quantize_rows()))
     return out
 
 
